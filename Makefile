@@ -1,0 +1,47 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
+# Both create .venv and install what they need on first use; later runs skip what is done.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RANKS ?= 2
+STAMP := $(VENV)/.hpctrain-installed
+
+# Open MPI refuses to run as root unless told; harmless elsewhere.
+ifeq ($(shell id -u),0)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+endif
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: setup demo test test-unit test-mpi bench clean help
+
+help:
+	@echo "make demo   - set up .venv and run the main job (multi-rank training on shipped data)"
+	@echo "make test   - set up .venv and run the whole test suite"
+	@echo "make bench  - all-reduce benchmark at $(RANKS) ranks"
+
+setup: $(STAMP)
+
+$(STAMP): setup.py requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e '.[dev,mpi]'
+	@touch $@
+
+demo: setup
+	$(PY) examples/demo.py --ranks $(RANKS)
+
+test: setup
+	bash .ci/services.sh start
+	$(PY) -m pytest -q tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+bench: setup
+	$(VENV)/bin/hpctrain launch -n $(RANKS) -- hpctrain bench allreduce
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

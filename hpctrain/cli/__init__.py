@@ -1,0 +1,1 @@
+"""The ``hpctrain`` command line. Library packages never import this one."""

