@@ -1,0 +1,271 @@
+"""The local multi-node test cluster, from Python: availability, a pytest fixture, MPI runs.
+
+``tests/cluster/cluster.sh`` makes N "nodes" out of network namespaces with their own
+hostnames (node1 … nodeN on 10.99.0.0/24); MPI and SLURM treat them as separate hosts. This
+module is what the tests use::
+
+    from cluster import multinode_cluster, run_mpi_on_cluster   # fixture + runner
+
+    def test_x(multinode_cluster):
+        proc = run_mpi_on_cluster("node1:2,node2:2", python_argv("script.py"), timeout=60)
+        assert proc.returncode == 0, proc.stdout
+
+``mpiexec`` runs *inside* node1 (as on a head node: from the root namespace the remote
+daemons cannot call back) and starts its daemons on the other nodes through
+``tests/cluster/mpi-agent`` instead of ssh.
+
+Where the cluster cannot run (not root, no network namespaces, no Open MPI 5) the tests skip
+with the reason; with ``HPCTRAIN_REQUIRE_MULTINODE=1`` they fail instead.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+CLUSTER_SH = HERE / "cluster.sh"
+RUN_ON_NODE = HERE / "run-on-node"
+MPI_AGENT = HERE / "mpi-agent"
+NODES_NEEDED = 3  # the tests use 2 × 2 (node1, node2) and 3 × 1 (node1..node3)
+REQUIRE_VAR = "HPCTRAIN_REQUIRE_MULTINODE"
+
+_HOSTS_ITEM = re.compile(r"^(node[1-9][0-9]?)(?::([1-9][0-9]*))?$")
+
+
+def require_multinode() -> bool:
+    """True when the multi-node tests must run (``HPCTRAIN_REQUIRE_MULTINODE=1``, set by CI)."""
+    return os.environ.get(REQUIRE_VAR, "") == "1"
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip the calling test with ``reason``, or fail it when multi-node runs are required."""
+    if require_multinode():
+        pytest.fail(f"multi-node cluster required ({REQUIRE_VAR}=1) but unavailable: {reason}")
+    pytest.skip(f"multi-node cluster unavailable: {reason}")
+
+
+def _mpiexec() -> str:
+    from hpctrain.cli.launch import find_mpiexec
+
+    return find_mpiexec()
+
+
+@functools.lru_cache(maxsize=None)
+def cluster_available() -> Tuple[bool, str]:
+    """Whether this machine can run the local cluster and MPI on it: ``(ok, reason)``."""
+    try:
+        check = subprocess.run(
+            ["bash", str(CLUSTER_SH), "check"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"{CLUSTER_SH} check did not run: {exc}"
+    if check.returncode != 0:
+        return False, (check.stdout + check.stderr).strip() or f"{CLUSTER_SH} check exited {check.returncode}"
+    try:
+        exe = _mpiexec()
+    except SystemExit as exc:
+        return False, str(exc)
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"{exe} --version failed: {exc}"
+    text = out.stdout + out.stderr
+    match = re.search(r"Open MPI\)?\s+(\d+)\.", text)
+    if not match or int(match.group(1)) < 5:
+        first = text.strip().splitlines()[0] if text.strip() else "(nothing)"
+        return False, (
+            f"{exe} is not Open MPI 5 (it printed {first!r}); the cluster's launcher shim needs "
+            "Open MPI 5's plm_ssh_agent. HINT: set HPCTRAIN_MPIEXEC to an Open MPI 5 mpiexec"
+        )
+    return True, "ok"
+
+
+def cluster_nodes() -> List[str]:
+    """Nodes of the running cluster (empty when it is down)."""
+    proc = subprocess.run(["bash", str(CLUSTER_SH), "status"], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        return []
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("node") and line.endswith(" up")]
+
+
+def start_cluster(nodes: int) -> None:
+    """Start (or grow to) ``nodes`` nodes; raises RuntimeError with the script's output."""
+    proc = subprocess.run(
+        ["bash", str(CLUSTER_SH), "start", "--nodes", str(nodes)],
+        capture_output=True, text=True, timeout=120,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"cluster.sh start --nodes {nodes} failed:\n{proc.stdout}{proc.stderr}")
+
+
+def stop_cluster() -> None:
+    """Tear the cluster down (every namespace, the bridge and daemons it recorded)."""
+    proc = subprocess.run(["bash", str(CLUSTER_SH), "stop"], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cluster.sh stop failed:\n{proc.stdout}{proc.stderr}")
+
+
+def parse_hosts_spec(hosts_spec: str) -> List[Tuple[str, int]]:
+    """``"node1:2,node2:2"`` -> ``[("node1", 2), ("node2", 2)]`` (a bare node means 1 slot)."""
+    items = []
+    for part in hosts_spec.split(","):
+        match = _HOSTS_ITEM.match(part.strip())
+        if not match:
+            raise ValueError(
+                f"bad hosts spec item {part!r} in {hosts_spec!r}; expected e.g. 'node1:2,node2:2'"
+            )
+        items.append((match.group(1), int(match.group(2) or 1)))
+    names = [name for name, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"hosts spec {hosts_spec!r} names a node twice")
+    return items
+
+
+def cluster_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Environment for commands on the cluster: the repository's venv and source, as-root vars."""
+    from mpirun import mpi_env  # tests/mpirun.py: PATH, PYTHONPATH, as-root, OMP threads
+
+    env = mpi_env(None)
+    env["PRTE_MCA_plm_ssh_agent"] = str(MPI_AGENT)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def mpiexec_on_cluster_argv(hosts_spec: str, argv: Sequence[str]) -> List[str]:
+    """The full command line: run-on-node node1 mpiexec -n N --host SPEC … argv."""
+    items = parse_hosts_spec(hosts_spec)
+    n = sum(slots for _, slots in items)
+    spec = ",".join(f"{name}:{slots}" for name, slots in items)
+    return [
+        str(RUN_ON_NODE), "node1",
+        _mpiexec(), "-n", str(n), "--host", spec,
+        "--bind-to", "none",  # every "node" sees the same cores; binding piles ranks on core 0
+        "--oversubscribe",
+        "--prtemca", "plm_ssh_agent", str(MPI_AGENT),
+        *argv,
+    ]
+
+
+def _run_killing_tree(cmd: Sequence[str], timeout: float, env: Dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, cwd=str(cwd), start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        return subprocess.CompletedProcess(list(cmd), -9, (out or "") + f"\n[killed after {timeout}s]", "")
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every descendant (remote daemons run under the agent, not our group)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_mpi_on_cluster(
+    hosts_spec: str,
+    argv: Sequence[str],
+    timeout: float = 120,
+    env: Optional[Dict[str, str]] = None,
+    cwd: Optional[Path] = None,
+) -> subprocess.CompletedProcess:
+    """Run ``argv`` under mpiexec across cluster nodes, e.g. ``hosts_spec="node1:2,node2:2"``.
+
+    Ranks are placed in the order of the spec (node1's slots first). Returns the completed
+    process with stdout and stderr merged; never raises on rc != 0. A run that outlives
+    ``timeout`` is killed (with the daemons on every node) and returns rc -9.
+    """
+    cmd = mpiexec_on_cluster_argv(hosts_spec, argv)
+    return _run_killing_tree(cmd, timeout, cluster_env(env), cwd or ROOT)
+
+
+def run_on_node(
+    node: str, argv: Sequence[str], timeout: float = 60, env: Optional[Dict[str, str]] = None
+) -> subprocess.CompletedProcess:
+    """Run one command on one node (its hostname, network and hosts file)."""
+    return _run_killing_tree([str(RUN_ON_NODE), node, *argv], timeout, cluster_env(env), ROOT)
+
+
+def python_argv(*args: str) -> List[str]:
+    """``[sys.executable, *args]`` — the venv's Python, the same path on every node."""
+    return [sys.executable, *args]
+
+
+# One cluster per test session, even when several test modules import the fixture (each import
+# makes its own session-scoped fixture definition): reference-counted, stopped at the end only
+# when this session started it.
+_lock = threading.Lock()
+_users = 0
+_started_here = False
+
+
+def _acquire(nodes: int) -> List[str]:
+    global _users, _started_here
+    with _lock:
+        present = cluster_nodes()
+        if len(present) < nodes:
+            start_cluster(nodes)
+            if not present:
+                _started_here = True
+            present = cluster_nodes()
+        _users += 1
+        return present
+
+
+def _release() -> None:
+    global _users, _started_here
+    with _lock:
+        _users -= 1
+        if _users == 0 and _started_here and not os.environ.get("HPCTRAIN_KEEP_CLUSTER"):
+            stop_cluster()
+            _started_here = False
+
+
+@pytest.fixture(scope="session")
+def multinode_cluster() -> Iterator[List[str]]:
+    """Start the local cluster (node1..node3) for this session; yields the node names.
+
+    Skips with the reason where the machine cannot run it (fails when
+    ``HPCTRAIN_REQUIRE_MULTINODE=1``). A cluster that was already up is reused and left up;
+    set ``HPCTRAIN_KEEP_CLUSTER=1`` to keep one this session started.
+    """
+    ok, reason = cluster_available()
+    if not ok:
+        skip_or_fail(reason)
+    try:
+        nodes = _acquire(NODES_NEEDED)
+    except RuntimeError as exc:
+        skip_or_fail(str(exc))
+    try:
+        yield nodes
+    finally:
+        _release()
