@@ -1,0 +1,35 @@
+"""hpctrain.comm — MPI for hpctrain: start-up, groups, collectives, ring/shm/hierarchical
+all-reduce, agreement checks and the stall watchdog. The only package that imports mpi4py.
+
+Nothing here initializes MPI at import; call ``init()``.
+"""
+from .errors import CollectiveMismatchError, CommError, NotInitializedError, StallError, WorldSizeError
+from .guard import checks_enabled, set_checks
+from .plan import ALGORITHMS, parse_size
+from .world import (Group, abort_job, cross_rank, cross_size, hostname, init, is_initialized, local_rank,
+                    local_size, mpi_library_version, mpi_threads_supported, new_group, rank, shutdown, size,
+                    split, world)
+from .asyncq import Handle, drain as synchronize_all
+
+
+def __getattr__(name):
+    # The collectives import mpi4py; load them on first use so `import hpctrain.comm` stays cheap.
+    import importlib
+
+    if name.startswith("__"):
+        raise AttributeError(name)
+    collectives = importlib.import_module("hpctrain.comm.collectives")
+    if hasattr(collectives, name):
+        return getattr(collectives, name)
+    raise AttributeError(f"module 'hpctrain.comm' has no attribute {name!r}")
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
+    "mpi_threads_supported", "abort_job", "allreduce", "allreduce_", "allreduce_async", "allgather",
+    "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
+    "barrier", "send", "recv", "send_object", "recv_object", "choose_algorithm", "Handle",
+    "synchronize_all", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
+    "CollectiveMismatchError", "StallError", "NotInitializedError", "WorldSizeError",
+]

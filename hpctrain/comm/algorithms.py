@@ -1,0 +1,205 @@
+"""All-reduce algorithms, each reducing a flat numpy array in place on a Group.
+
+- native: the MPI library's MPI_Allreduce.
+- ring: reduce-scatter then all-gather over point-to-point messages; each rank sends
+  2(N−1)/N of the data; segments let the reduction of one overlap the transfer of the next.
+- shm: ranks of one node copy into an MPI-3 shared window, each reduces its slice straight
+  from its peers' slots, and everyone reads the result (one copy in, one copy out).
+- hierarchical: shm reduce-scatter inside each node → ring across nodes among ranks with
+  the same local rank → shm all-gather inside each node.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import plan
+from .buffers import finish_average, reduce_into
+
+# Ring segments: ≥ 1 MiB, since each message costs ~15 µs of Python (PERF-FACTS.md).
+RING_SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(1 << 20)))
+
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+_MPI_BOOL_OPS = {"sum": MPI.BOR, "avg": MPI.BOR, "max": MPI.BOR, "min": MPI.BAND, "prod": MPI.BAND}
+_native_f16 = {"ok": True}
+
+
+def _mpi_op(op: str, dtype_name: str):
+    return (_MPI_BOOL_OPS if dtype_name == "bool" else _MPI_OPS)[op]
+
+
+# --------------------------------------------------------------------------- native
+def native_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
+    """MPI_Allreduce in place. bfloat16 (no MPI type) is reduced in float32 and rounded back."""
+    if dtype_name == "bfloat16" or (dtype_name == "float16" and not _native_f16["ok"]):
+        _native_upcast_(comm, arr, op, dtype_name)
+        return
+    try:
+        comm.Allreduce(MPI.IN_PLACE, arr, op=_mpi_op(op, dtype_name))
+    except MPI.Exception:
+        if dtype_name != "float16":
+            raise
+        _native_f16["ok"] = False  # this MPI has no float16 reductions
+        _native_upcast_(comm, arr, op, dtype_name)
+        return
+    if op == "avg":
+        finish_average(arr, comm.Get_size(), dtype_name)
+
+
+def _native_upcast_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
+    import torch
+
+    if dtype_name == "bfloat16":
+        t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        wide = t.float().numpy()
+    else:
+        wide = arr.astype(np.float32)
+    comm.Allreduce(MPI.IN_PLACE, wide, op=_MPI_OPS[op])
+    if op == "avg":
+        wide /= comm.Get_size()
+    if dtype_name == "bfloat16":
+        t.copy_(torch.from_numpy(wide))
+    else:
+        np.copyto(arr, wide, casting="unsafe")
+
+
+# --------------------------------------------------------------------------- ring
+def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what: str,
+          describe=lambda r: f"rank {r}", average_over: Optional[int] = None) -> None:
+    """Ring all-reduce of ``arr`` in place on ``comm`` (a communicator only ring traffic uses).
+
+    Bitwise-identical result on every rank: each chunk is reduced once, by its owner, and
+    then copied to everyone. ``average_over`` overrides the divisor of 'avg' (hierarchical).
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size > 1 and arr.size:
+        bounds = plan.chunk_bounds(arr.size, size)
+        left, right = plan.ring_neighbors(rank, size)
+        seg = max(1, RING_SEGMENT_BYTES // arr.itemsize)
+        scratch = np.empty(max(b - a for a, b in bounds), dtype=arr.dtype)
+        red = "sum" if op == "avg" else op
+        with dog.watch(what + " (ring reduce-scatter)", lambda: f"{describe(left)} (left neighbour)"):
+            for step in range(size - 1):
+                send_c, recv_c = plan.reduce_scatter_step(rank, size, step)
+                _ring_exchange(comm, arr, bounds[send_c], bounds[recv_c], right, left, seg,
+                               scratch=scratch, reduce_op=red, dtype_name=dtype_name)
+        own = bounds[plan.owned_chunk(rank, size)]
+        if op == "avg":
+            finish_average(arr[own[0]:own[1]], average_over or size, dtype_name)
+        with dog.watch(what + " (ring all-gather)", lambda: f"{describe(left)} (left neighbour)"):
+            for step in range(size - 1):
+                send_c, recv_c = plan.allgather_step(rank, size, step)
+                _ring_exchange(comm, arr, bounds[send_c], bounds[recv_c], right, left, seg)
+    elif op == "avg" and average_over:
+        finish_average(arr, average_over, dtype_name)
+
+
+def _ring_exchange(comm, arr, send_b, recv_b, right, left, seg, scratch=None, reduce_op=None,
+                   dtype_name=""):
+    """Send one chunk to the right while receiving one from the left, segment by segment.
+
+    With ``scratch``, received segments are reduced into ``arr`` as each arrives; otherwise
+    they are received straight into place (all-gather).
+    """
+    recv_segs = plan.segments(*recv_b, seg)
+    send_segs = plan.segments(*send_b, seg)
+    if scratch is None:
+        recvs = [comm.Irecv(arr[a:b], source=left, tag=i) for i, (a, b) in enumerate(recv_segs)]
+    else:
+        base = recv_b[0]
+        recvs = [comm.Irecv(scratch[a - base:b - base], source=left, tag=i)
+                 for i, (a, b) in enumerate(recv_segs)]
+    sends = [comm.Isend(arr[a:b], dest=right, tag=i) for i, (a, b) in enumerate(send_segs)]
+    if scratch is None:
+        MPI.Request.Waitall(recvs)
+    else:
+        for _ in recv_segs:
+            i = MPI.Request.Waitany(recvs)
+            a, b = recv_segs[i]
+            reduce_into(arr[a:b], scratch[a - recv_b[0]:b - recv_b[0]], reduce_op, dtype_name)
+    MPI.Request.Waitall(sends)
+
+
+# --------------------------------------------------------------------------- shared memory
+class ShmArena:
+    """An MPI-3 shared window on a node communicator: one slot per local rank, double-buffered
+    (alternating halves) so that a new collective's copy-in never overwrites what a slower
+    peer is still reading from the previous one — saving a barrier per collective."""
+
+    MIN_CAPACITY = 1 << 20
+
+    def __init__(self, node_comm) -> None:
+        self.comm = node_comm
+        self.capacity = 0
+        self.win = None
+        self.views = []
+        self.parity = 0
+
+    def ensure(self, nbytes: int) -> None:
+        if nbytes <= self.capacity:
+            return
+        capacity = max(self.MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
+        self.free()
+        self.win = MPI.Win.Allocate_shared(2 * capacity, 1, comm=self.comm)
+        self.views = []
+        for q in range(self.comm.Get_size()):
+            buf, _ = self.win.Shared_query(q)
+            self.views.append(np.frombuffer(buf, dtype=np.uint8))
+        self.capacity = capacity
+
+    def slots(self, nbytes: int, dtype) -> list:
+        """Every local rank's slot for this collective, as arrays of ``dtype``."""
+        off = self.parity * self.capacity
+        self.parity ^= 1
+        return [v[off:off + nbytes].view(dtype) for v in self.views]
+
+    def free(self) -> None:
+        if self.win is not None:
+            self.comm.Barrier()  # nobody may still read the old window
+            self.views = []
+            self.win.Free()
+            self.win = None
+            self.capacity = 0
+
+
+def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog, what: str,
+         cross: bool = False) -> None:
+    """All-reduce through the node's shared window; with ``cross``, the hierarchical variant
+    (each node-local slice is ring-all-reduced across nodes before everyone reads it).
+
+    ``src`` and ``out`` may be the same array.
+    """
+    node = group.node_comm
+    local_size, local_rank = node.Get_size(), node.Get_rank()
+    if group.shm_arena is None:
+        group.shm_arena = ShmArena(node)
+    arena = group.shm_arena
+    arena.ensure(src.nbytes)
+    slots = arena.slots(src.nbytes, src.dtype)
+    mine = slots[local_rank]
+    bounds = plan.chunk_bounds(src.size, local_size)
+    a, b = bounds[local_rank]
+    node_ranks = lambda: "a rank on this node"  # noqa: E731
+    red = "sum" if op == "avg" else op
+    np.copyto(mine, src)
+    with dog.watch(what + " (shared-memory copy-in)", node_ranks):
+        node.Barrier()
+    for q in range(local_size):
+        if q != local_rank:
+            reduce_into(mine[a:b], slots[q][a:b], red, dtype_name)
+    if cross and group.cross_size > 1:
+        cross_comm = group.cross_ring_comm
+        ring_(cross_comm, mine[a:b], op, dtype_name, dog, what + " (inter-node ring)",
+              describe=lambda r: f"the rank with local rank {local_rank} on node {r}",
+              average_over=group.size)
+    elif op == "avg":
+        finish_average(mine[a:b], group.size, dtype_name)
+    with dog.watch(what + " (shared-memory reduce)", node_ranks):
+        node.Barrier()
+    for q in range(local_size):
+        qa, qb = bounds[q]
+        if qb > qa:
+            np.copyto(out[qa:qb], slots[q][qa:qb])

@@ -1,0 +1,293 @@
+"""Public collectives on numpy arrays and contiguous CPU torch tensors.
+
+Each one: resolve the group → agree (header check) → run under the watchdog → rebuild the
+caller's type. Blocking calls wait for queued async ones first, so order is kept.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from . import algorithms, asyncq, guard, plan
+from .buffers import Flat, check_op, finish_average, flatten, rebuild
+from .errors import CommError
+from .world import Group, resolve, watchdog
+
+
+def _sync_start(group: Optional[Group]) -> Group:
+    g = resolve(group)
+    asyncq.drain()
+    return g
+
+
+def _all_ranks(g: Group):
+    return lambda: f"one or more of the {g.size} ranks of group '{g.name}'"
+
+
+def requested_algorithm(algorithm: str) -> str:
+    """The caller's choice, unless HPCTRAIN_ALLREDUCE overrides an 'auto'."""
+    if algorithm == "auto":
+        algorithm = os.environ.get("HPCTRAIN_ALLREDUCE", "auto") or "auto"
+    if algorithm not in plan.ALGORITHMS:
+        raise ValueError(
+            f"unknown all-reduce algorithm {algorithm!r} (argument or HPCTRAIN_ALLREDUCE); "
+            f"valid: {', '.join(plan.ALGORITHMS)}"
+        )
+    return algorithm
+
+
+def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto") -> str:
+    """The algorithm an all-reduce of ``nbytes`` would use on ``group``."""
+    g = resolve(group)
+    return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm))
+
+
+# --------------------------------------------------------------------------- all-reduce
+def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
+    """Reduce ``x`` over the ranks of ``group``; return a new array/tensor with the result.
+
+    op: sum | avg | min | max | prod. algorithm: auto | ring | native | shm | hierarchical
+    (auto picks by size and topology; HPCTRAIN_ALLREDUCE overrides auto).
+    """
+    g = _sync_start(group)
+    return _allreduce(x, op, algorithm, g, inplace=False)
+
+
+def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
+    """In-place all-reduce; returns ``x``."""
+    g = _sync_start(group)
+    return _allreduce(x, op, algorithm, g, inplace=True)
+
+
+def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,
+                    inplace: bool = False) -> asyncq.Handle:
+    """Start an all-reduce on the background thread; ``handle.wait()`` returns the result."""
+    g = resolve(group)
+    check_op(op)
+    flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
+    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace))
+
+
+def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
+    check_op(op)
+    flat = flatten(x, writable=inplace, what="allreduce")
+    if op in ("min", "max") and flat.array.dtype.kind == "c":
+        raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
+    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm))
+    dog = watchdog()
+    header = guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo)
+    guard.agree(g, header, dog)
+    what = guard.describe_header(header) + f" on {g.name}"
+    src = flat.array
+    if algo in ("shm", "hierarchical") and src.size:
+        out = src if inplace else np.empty_like(src)
+        algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical")
+    else:
+        out = src if inplace else src.copy()
+        if g.size == 1 or not out.size:
+            finish_average(out, 1, flat.dtype_name)
+        elif algo == "ring":
+            algorithms.ring_(g.ring_comm, out, op, flat.dtype_name, dog, what, describe=lambda r: g.describe_ranks([r]))
+        else:
+            with dog.watch(what, _all_ranks(g)):
+                algorithms.native_(g.comm, out, op, flat.dtype_name)
+    return x if inplace else rebuild(flat, out)
+
+
+# --------------------------------------------------------------------------- gather / scatter
+def _rows(flat: Flat) -> Tuple[int, tuple]:
+    shape = flat.shape or (1,)
+    return shape[0], tuple(shape[1:])
+
+
+def allgather(x: Any, group: Optional[Group] = None) -> Any:
+    """Concatenate every rank's ``x`` along dimension 0 (dimension 0 may differ per rank;
+    the other dimensions and the dtype must agree)."""
+    g = _sync_start(group)
+    flat = flatten(x, what="allgather")
+    rows, rest = _rows(flat)
+    dog = watchdog()
+    header = guard.make_header(0, "allgather", "-", flat.dtype_name, -1, "-", guard.shape_code(rest))
+    guard.agree(g, header, dog)
+    row_bytes = int(np.prod(rest, dtype=np.int64)) * flat.array.itemsize
+    counts = np.empty(g.size, dtype=np.int64)
+    with dog.watch(guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
+        g.comm.Allgather(np.array([rows], dtype=np.int64), counts)
+        byte_counts = counts * row_bytes
+        displs = np.concatenate([[0], np.cumsum(byte_counts)[:-1]])
+        out = np.empty(int(byte_counts.sum()) // max(flat.array.itemsize, 1), dtype=flat.array.dtype)
+        g.comm.Allgatherv(flat.array.view(np.uint8), [out.view(np.uint8), (byte_counts, displs), MPI.BYTE])
+    return rebuild(flat, out, (int(counts.sum()), *rest))
+
+
+def broadcast(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
+    """Return a copy of root's ``x`` on every rank (every rank passes the same shape)."""
+    g = _sync_start(group)
+    flat = flatten(x, what="broadcast")
+    out = flat.array.copy()
+    _broadcast_flat(g, flat, out, root)
+    return rebuild(flat, out)
+
+
+def broadcast_(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
+    """Overwrite ``x`` with root's ``x`` on every rank; returns ``x``."""
+    g = _sync_start(group)
+    flat = flatten(x, writable=True, what="broadcast_")
+    _broadcast_flat(g, flat, flat.array, root)
+    return x
+
+
+def _broadcast_flat(g: Group, flat: Flat, out: np.ndarray, root: int) -> None:
+    _check_root(root, g)
+    dog = watchdog()
+    header = guard.make_header(0, "broadcast", "-", flat.dtype_name, flat.array.size, "-", root + 1)
+    guard.agree(g, header, dog)
+    if g.size > 1 and out.size:
+        with dog.watch(guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
+            g.comm.Bcast(out.view(np.uint8), root=root)
+
+
+def reduce_scatter(x: Any, op: str = "sum", group: Optional[Group] = None) -> Any:
+    """Reduce ``x`` over ranks and return this rank's rows of dimension 0 (rows split as
+    evenly as possible, the first ranks getting one more)."""
+    g = _sync_start(group)
+    check_op(op)
+    flat = flatten(x, what="reduce_scatter")
+    rows, rest = _rows(flat)
+    row_elems = int(np.prod(rest, dtype=np.int64))
+    bounds = plan.chunk_bounds(rows, g.size)
+    a, b = bounds[g.rank]
+    dog = watchdog()
+    header = guard.make_header(0, "reduce_scatter", op, flat.dtype_name, flat.array.size)
+    guard.agree(g, header, dog)
+    counts = [(hi - lo) * row_elems for lo, hi in bounds]
+    out = np.empty(counts[g.rank], dtype=flat.array.dtype)
+    what = guard.describe_header(header) + f" on {g.name}"
+    with dog.watch(what, _all_ranks(g)):
+        if flat.dtype_name in ("bfloat16", "bool") or g.size == 1:
+            full = flat.array.copy()
+            if g.size > 1:
+                algorithms.native_(g.comm, full, op, flat.dtype_name)
+            np.copyto(out, full[a * row_elems:b * row_elems])
+        else:
+            g.comm.Reduce_scatter(flat.array, out, recvcounts=counts, op=algorithms._mpi_op(op, flat.dtype_name))
+            if op == "avg":
+                finish_average(out, g.size, flat.dtype_name)
+    return rebuild(flat, out, (b - a, *rest))
+
+
+def alltoall(x: Any, splits: Optional[Sequence[int]] = None, group: Optional[Group] = None) -> Tuple[Any, np.ndarray]:
+    """Send rows ``splits[i]`` of ``x`` (dimension 0, in order) to rank i; return the rows
+    received (concatenated in rank order) and how many came from each rank."""
+    g = _sync_start(group)
+    flat = flatten(x, what="alltoall")
+    rows, rest = _rows(flat)
+    if splits is None:
+        if rows % g.size:
+            raise ValueError(
+                f"alltoall: {rows} rows cannot be split evenly over {g.size} ranks. HINT: pass splits=[…]"
+            )
+        splits = [rows // g.size] * g.size
+    splits = np.asarray(list(splits), dtype=np.int64)
+    if splits.size != g.size or (splits < 0).any() or int(splits.sum()) != rows:
+        raise ValueError(
+            f"alltoall: splits must be {g.size} non-negative row counts summing to {rows}, got {splits.tolist()}"
+        )
+    dog = watchdog()
+    header = guard.make_header(0, "alltoall", "-", flat.dtype_name, -1, "-", guard.shape_code(rest))
+    guard.agree(g, header, dog)
+    row_bytes = int(np.prod(rest, dtype=np.int64)) * flat.array.itemsize
+    recv_splits = np.empty(g.size, dtype=np.int64)
+    with dog.watch(guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
+        g.comm.Alltoall(splits, recv_splits)
+        sc, rc = splits * row_bytes, recv_splits * row_bytes
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        out = np.empty(int(rc.sum()) // max(flat.array.itemsize, 1), dtype=flat.array.dtype)
+        g.comm.Alltoallv([flat.array.view(np.uint8), (sc, sd), MPI.BYTE], [out.view(np.uint8), (rc, rd), MPI.BYTE])
+    return rebuild(flat, out, (int(recv_splits.sum()), *rest)), recv_splits
+
+
+# --------------------------------------------------------------------------- objects, barrier
+def broadcast_object(obj: Any, root: int = 0, group: Optional[Group] = None) -> Any:
+    """Root's picklable ``obj`` on every rank."""
+    g = _sync_start(group)
+    _check_root(root, g)
+    dog = watchdog()
+    header = guard.make_header(0, "broadcast_object", extra=root + 1)
+    guard.agree(g, header, dog)
+    with dog.watch(guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
+        return g.comm.bcast(obj, root=root)
+
+
+def allgather_object(obj: Any, group: Optional[Group] = None) -> List[Any]:
+    """Every rank's picklable ``obj``, as a list in rank order."""
+    g = _sync_start(group)
+    dog = watchdog()
+    header = guard.make_header(0, "allgather_object")
+    guard.agree(g, header, dog)
+    with dog.watch(guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
+        return g.comm.allgather(obj)
+
+
+def barrier(group: Optional[Group] = None) -> None:
+    """Wait until every rank of ``group`` arrives."""
+    g = _sync_start(group)
+    dog = watchdog()
+    header = guard.make_header(0, "barrier")
+    guard.agree(g, header, dog)
+    with dog.watch(guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
+        g.comm.Barrier()
+
+
+# --------------------------------------------------------------------------- point to point
+def send(x: Any, dest: int, tag: int = 0, group: Optional[Group] = None) -> None:
+    """Send ``x`` to ``dest`` (a rank of ``group``); the receiver calls ``recv``."""
+    g = resolve(group)
+    _check_root(dest, g, "dest")
+    flat = flatten(x, what="send")
+    with watchdog().watch(f"send of {flat.array.nbytes} bytes to {g.describe_ranks([dest])} (tag {tag})",
+                          lambda: g.describe_ranks([dest])):
+        g.p2p_comm.Send(flat.array.view(np.uint8), dest=dest, tag=tag)
+
+
+def recv(out: Any, source: int, tag: int = 0, group: Optional[Group] = None) -> Any:
+    """Receive into ``out`` (shape and dtype agreed with the sender); returns ``out``."""
+    g = resolve(group)
+    _check_root(source, g, "source")
+    flat = flatten(out, writable=True, what="recv")
+    status = MPI.Status()
+    with watchdog().watch(f"recv of {flat.array.nbytes} bytes from {g.describe_ranks([source])} (tag {tag})",
+                          lambda: g.describe_ranks([source])):
+        g.p2p_comm.Probe(source=source, tag=tag, status=status)
+        got = status.Get_count(MPI.BYTE)
+        if got != flat.array.nbytes:
+            raise CommError(
+                f"recv from {g.describe_ranks([source])} (tag {tag}): message has {got} bytes, the buffer "
+                f"{flat.array.nbytes} ({flat.shape}, {flat.dtype_name}). HINT: sender and receiver must agree "
+                "on shape and dtype."
+            )
+        g.p2p_comm.Recv(flat.array.view(np.uint8), source=source, tag=tag)
+    return out
+
+
+def send_object(obj: Any, dest: int, tag: int = 0, group: Optional[Group] = None) -> None:
+    g = resolve(group)
+    _check_root(dest, g, "dest")
+    with watchdog().watch(f"send_object to {g.describe_ranks([dest])}", lambda: g.describe_ranks([dest])):
+        g.p2p_comm.send(obj, dest=dest, tag=tag)
+
+
+def recv_object(source: int, tag: int = 0, group: Optional[Group] = None) -> Any:
+    g = resolve(group)
+    _check_root(source, g, "source")
+    with watchdog().watch(f"recv_object from {g.describe_ranks([source])}", lambda: g.describe_ranks([source])):
+        return g.p2p_comm.recv(source=source, tag=tag)
+
+
+def _check_root(root: int, g: Group, what: str = "root") -> None:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
+        raise ValueError(f"{what} must be a rank of group '{g.name}' (0…{g.size - 1}), got {root!r}")

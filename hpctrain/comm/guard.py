@@ -1,0 +1,124 @@
+"""Cheap agreement check before each collective, and the watched wait around it.
+
+Every rank sends a small header (sequence number, operation, reduction op, dtype, element
+count, algorithm) to group rank 0, which compares them and answers every rank with one
+verdict. A mismatch becomes the same CollectiveMismatchError on every rank, naming the
+ranks and what each called. Because rank 0 knows whose header has not arrived, the stall
+watchdog can name the ranks that never entered the collective.
+
+Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
+watchdog still catches stalls then, but cannot name the missing ranks as precisely.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from .buffers import DTYPE_CODES, OPS
+from .errors import CollectiveMismatchError
+from .plan import ALGORITHMS
+
+_TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
+HEADER_LEN = 7
+_enabled = {"on": os.environ.get("HPCTRAIN_CHECK_COLLECTIVES", "1") != "0"}
+
+_OP_NAMES = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
+             "broadcast_object", "allgather_object", "grouped_allreduce"]
+_RED_NAMES = ["-", *OPS]
+_ALGO_NAMES = ["-", *ALGORITHMS]
+_DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn the per-collective agreement check on or off (on by default)."""
+    _enabled["on"] = bool(enabled)
+
+
+def checks_enabled() -> bool:
+    return _enabled["on"]
+
+
+def shape_code(shape: Sequence[int]) -> int:
+    return zlib.crc32(repr(tuple(shape)).encode())
+
+
+def make_header(seq: int, op: str, reduction: str = "-", dtype: str = "", count: int = -1,
+                algorithm: str = "-", extra: int = 0) -> np.ndarray:
+    return np.array([seq, _OP_NAMES.index(op), _RED_NAMES.index(reduction),
+                     DTYPE_CODES.get(dtype, -1), count, _ALGO_NAMES.index(algorithm), extra], dtype=np.int64)
+
+
+def describe_header(h: Sequence[int]) -> str:
+    seq, op, red, dt, count, algo, extra = (int(v) for v in h)
+    parts = []
+    if red > 0:
+        parts.append(_RED_NAMES[red])
+    if dt >= 0:
+        parts.append(_DTYPE_NAMES.get(dt, f"dtype#{dt}"))
+    if count >= 0:
+        parts.append(f"{count} elements")
+    if algo > 0:
+        parts.append(_ALGO_NAMES[algo])
+    if extra:
+        parts.append(f"shape/root #{extra}")
+    return f"{_OP_NAMES[op]}({', '.join(parts)}) [collective #{seq}]"
+
+
+def mismatch_message(headers: np.ndarray, group) -> str:
+    """Group ranks by what they called; pure so that it can be unit-tested."""
+    by_call: Dict[str, List[int]] = {}
+    for r, h in enumerate(headers):
+        by_call.setdefault(describe_header(h), []).append(r)
+    lines = [f"  {group.describe_ranks(ranks)} called {call}" for call, ranks in by_call.items()]
+    return (
+        f"ranks of group '{group.name}' entered different collectives:\n" + "\n".join(lines) +
+        "\nHINT: every rank must call the same collective with the same shape, dtype and op, "
+        "in the same order."
+    )
+
+
+def agree(group, header: np.ndarray, dog) -> None:
+    """Check that every rank of ``group`` entered the same collective; raise on mismatch."""
+    group.seq += 1
+    if not _enabled["on"] or group.size == 1:
+        return
+    header[0] = group.seq
+    comm = group.ctl_comm
+    what = describe_header(header) + f" on {group.name}"
+    if group.rank == 0:
+        headers = np.empty((group.size, HEADER_LEN), dtype=np.int64)
+        headers[0] = header
+        from mpi4py import MPI
+
+        requests = [comm.Irecv(headers[r], source=r, tag=_TAG_HEADER) for r in range(1, group.size)]
+        pending = set(range(1, group.size))
+
+        def missing() -> str:
+            return group.describe_ranks(sorted(pending))
+
+        with dog.watch(what + " (agreement check)", missing):
+            while pending:
+                done = MPI.Request.Waitsome(requests)
+                for i in done or ():
+                    pending.discard(i + 1)
+        ok = bool((headers == headers[0]).all())
+        verdict = np.array([0 if ok else 1], dtype=np.int64)
+        message = "" if ok else mismatch_message(headers, group)
+        sends = [comm.Isend(verdict, dest=r, tag=_TAG_VERDICT) for r in range(1, group.size)]
+        MPI.Request.Waitall(sends)
+        if not ok:
+            for r in range(1, group.size):
+                comm.send(message, dest=r, tag=_TAG_MESSAGE)
+            raise CollectiveMismatchError(message)
+    else:
+        comm.Send(header, dest=0, tag=_TAG_HEADER)
+        verdict = np.empty(1, dtype=np.int64)
+        coordinator = group.describe_ranks([0])
+        with dog.watch(what + " (waiting for rank 0's agreement check)",
+                       lambda: f"{coordinator}, which coordinates the check (see its report)", grace=2.0):
+            comm.Recv(verdict, source=0, tag=_TAG_VERDICT)
+            if verdict[0] != 0:
+                raise CollectiveMismatchError(comm.recv(source=0, tag=_TAG_MESSAGE))

@@ -1,0 +1,189 @@
+"""Pure planning for collectives: ring chunks and peers, topology, algorithm choice.
+
+Nothing here talks to MPI; every function takes rank and size as arguments so that one
+process can build every rank's view in a unit test.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+Bounds = Tuple[int, int]
+
+
+def chunk_bounds(length: int, parts: int) -> List[Bounds]:
+    """Split ``range(length)`` into ``parts`` contiguous chunks whose sizes differ by ≤ 1.
+
+    The first ``length % parts`` chunks get one extra element (Horovod's ``split_list``).
+    Chunks may be empty when ``length < parts``.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be ≥ 1, got {parts}")
+    if length < 0:
+        raise ValueError(f"length must be ≥ 0, got {length}")
+    base, extra = divmod(length, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def split_counts(length: int, parts: int) -> List[int]:
+    return [b - a for a, b in chunk_bounds(length, parts)]
+
+
+def ring_neighbors(rank: int, size: int) -> Tuple[int, int]:
+    """(left, right): receive from left, send to right."""
+    _check_rank(rank, size)
+    return (rank - 1) % size, (rank + 1) % size
+
+
+def reduce_scatter_step(rank: int, size: int, step: int) -> Tuple[int, int]:
+    """Chunk ids (send, receive) at ``step`` of the ring reduce-scatter (0 ≤ step < size−1).
+
+    After the last step, ``rank`` holds the fully reduced chunk ``owned_chunk(rank, size)``.
+    """
+    _check_rank(rank, size)
+    return (rank - step) % size, (rank - step - 1) % size
+
+
+def owned_chunk(rank: int, size: int) -> int:
+    """The chunk a rank holds fully reduced after the ring reduce-scatter."""
+    return (rank + 1) % size
+
+
+def allgather_step(rank: int, size: int, step: int) -> Tuple[int, int]:
+    """Chunk ids (send, receive) at ``step`` of the ring all-gather (0 ≤ step < size−1)."""
+    _check_rank(rank, size)
+    return (rank + 1 - step) % size, (rank - step) % size
+
+
+def segments(start: int, stop: int, seg_elems: int) -> List[Bounds]:
+    """Split ``[start, stop)`` into pipelining segments of at most ``seg_elems`` elements."""
+    if seg_elems < 1:
+        raise ValueError(f"segment size must be ≥ 1 element, got {seg_elems}")
+    return [(a, min(a + seg_elems, stop)) for a in range(start, stop, seg_elems)]
+
+
+def _check_rank(rank: int, size: int) -> None:
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a world of size {size}")
+
+
+# --------------------------------------------------------------------------- topology
+@dataclass(frozen=True)
+class Topology:
+    """Where each rank of a group lives. ``node_of[r]`` is the node index of group rank r.
+
+    Nodes are numbered in order of their lowest rank, so node 0 holds rank 0.
+    """
+
+    node_of: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.node_of:
+            raise ValueError("a topology needs at least one rank")
+
+    @property
+    def size(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.node_of) + 1
+
+    def ranks_on(self, node: int) -> List[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def local_rank(self, rank: int) -> int:
+        return self.ranks_on(self.node_of[rank]).index(rank)
+
+    def local_size(self, rank: int) -> int:
+        return len(self.ranks_on(self.node_of[rank]))
+
+    def cross_rank(self, rank: int) -> int:
+        return self.node_of[rank]
+
+    @property
+    def cross_size(self) -> int:
+        return self.num_nodes
+
+    @property
+    def homogeneous(self) -> bool:
+        """Every node has the same number of ranks (needed by the hierarchical path)."""
+        counts = [len(self.ranks_on(n)) for n in range(self.num_nodes)]
+        return len(set(counts)) == 1
+
+    @property
+    def single_node(self) -> bool:
+        return self.num_nodes == 1
+
+
+def topology_from_keys(node_keys: Sequence[object]) -> Topology:
+    """Build a topology from any per-rank node identifier (hostname, leader rank…)."""
+    index: Dict[object, int] = {}
+    node_of = []
+    for key in node_keys:
+        if key not in index:
+            index[key] = len(index)
+        node_of.append(index[key])
+    return Topology(tuple(node_of))
+
+
+# --------------------------------------------------------------------------- algorithm choice
+ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
+
+# Thresholds measured with `hpctrain bench allreduce` on a 2-core node (Open MPI 5.0.11,
+# 2–4 ranks, float32): below SMALL the native MPI_Allreduce wins (a Python ring pays ~17 µs
+# per message); above it the shared-window path (one node) and the hierarchical path
+# (several nodes) win. See README "Performance".
+SMALL_MESSAGE_BYTES = 256 * 1024
+CROSS_NODE_SMALL_BYTES = 64 * 1024
+
+
+def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto") -> str:
+    """The algorithm a collective of ``nbytes`` uses on ``topology``.
+
+    Depends only on values that agree on every rank (message size, group layout), so every
+    rank of a group picks the same algorithm.
+    """
+    if requested not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {requested!r}; valid: {', '.join(ALGORITHMS)}")
+    if requested != "auto":
+        if requested in ("shm", "hierarchical") and not topology.single_node:
+            # shared memory never spans nodes: across nodes, shm means hierarchical, which
+            # needs the same number of ranks on every node
+            return "hierarchical" if topology.homogeneous else "ring"
+        if requested == "hierarchical":
+            return "shm"  # one node: the hierarchical path is the shared-memory one
+        return requested
+    if topology.size == 1:
+        return "native"
+    if topology.single_node:
+        return "native" if nbytes < SMALL_MESSAGE_BYTES else "shm"
+    if nbytes < CROSS_NODE_SMALL_BYTES:
+        return "native"
+    return "hierarchical" if topology.homogeneous else "ring"
+
+
+# --------------------------------------------------------------------------- sizes
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """'64KiB' → 65536, '1MB' → 1000000, '4096' → 4096."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; examples: 4096, 64KiB, 16MiB, 1GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(nbytes: int) -> str:
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor}{unit}"
+    return f"{nbytes}B"

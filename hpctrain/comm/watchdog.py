@@ -1,0 +1,93 @@
+"""Stall watchdog: a collective that waits longer than HPCTRAIN_STALL_TIMEOUT seconds is
+reported (operation, group, ranks not arrived) and the whole job is aborted.
+
+Every blocking wait in hpctrain.comm runs inside ``watch(...)``. A daemon thread checks the
+waits of all threads; mpi4py releases the GIL while blocked in MPI, so the thread runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def stall_timeout() -> float:
+    """Seconds from HPCTRAIN_STALL_TIMEOUT (default 300; 0 disables the watchdog)."""
+    raw = os.environ.get("HPCTRAIN_STALL_TIMEOUT", str(DEFAULT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"HPCTRAIN_STALL_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    return max(value, 0.0)
+
+
+@dataclass
+class Wait:
+    what: str  # e.g. "allreduce(sum, float32, 1000 elements, ring) on world"
+    waiting_for: Callable[[], str]  # describes the ranks not arrived yet
+    since: float = field(default_factory=time.monotonic)
+    grace: float = 0.0  # extra seconds (ranks that wait on a coordinator give it time to report)
+
+
+class Watchdog:
+    def __init__(self, rank: int, abort: Callable[[int], None], timeout: float) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self._abort = abort
+        self._waits: Dict[int, Wait] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.fired: List[str] = []
+
+    def start(self) -> None:
+        if self.timeout <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @contextmanager
+    def watch(self, what: str, waiting_for: Callable[[], str], grace: float = 0.0) -> Iterator[Wait]:
+        key = threading.get_ident()
+        wait = Wait(what, waiting_for, grace=grace)
+        previous = self._waits.get(key)
+        self._waits[key] = wait
+        try:
+            yield wait
+        finally:
+            if previous is None:
+                self._waits.pop(key, None)
+            else:
+                self._waits[key] = previous
+
+    def _run(self) -> None:
+        interval = min(1.0, max(self.timeout / 10, 0.05))
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            for wait in list(self._waits.values()):
+                if now - wait.since > self.timeout + wait.grace:
+                    self._fire(wait, now - wait.since)
+                    return
+
+    def _fire(self, wait: Wait, waited: float) -> None:
+        try:
+            missing = wait.waiting_for()
+        except Exception as exc:  # never let the report itself hide the stall
+            missing = f"(could not tell: {exc})"
+        message = (
+            f"hpctrain: STALL on rank {self.rank}: {wait.what} has waited {waited:.1f} s "
+            f"(HPCTRAIN_STALL_TIMEOUT={self.timeout:g}). Not arrived: {missing}.\n"
+            "HINT: every rank must call the same collectives in the same order; a rank that "
+            "crashed, skipped a step or has fewer batches stalls the others. Aborting the job."
+        )
+        self.fired.append(message)
+        print(message, file=sys.stderr, flush=True)
+        self._abort(3)

@@ -1,0 +1,264 @@
+"""MPI start-up, process groups and their topology. The only module that imports mpi4py
+(together with the algorithm modules of this package)."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Any, List, Optional, Sequence
+
+from . import launcher
+from .errors import NotInitializedError
+from .plan import Topology, topology_from_keys
+from .watchdog import Watchdog, stall_timeout
+
+_state: dict = {"world": None, "watchdog": None, "MPI": None, "finalize": False}
+_init_lock = threading.Lock()
+
+
+def _mpi():
+    MPI = _state["MPI"]
+    if MPI is None:
+        raise NotInitializedError(
+            "hpctrain.comm is not initialized. HINT: call hpctrain.comm.init() (or hvd.init()) first."
+        )
+    return MPI
+
+
+class Group:
+    """A set of ranks that run collectives together (``world()``, ``new_group``, ``split``).
+
+    Holds the MPI communicators it needs: one for native collectives, duplicates for ring
+    traffic, point-to-point messages and header checks (so they never match each other's
+    messages), the node-local communicator and the cross-node one.
+    """
+
+    def __init__(self, mpi_comm: Any, name: str) -> None:
+        MPI = _mpi()
+        self.name = name
+        self.comm = mpi_comm
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        world_rank = MPI.COMM_WORLD.Get_rank()
+        self.ranks: List[int] = mpi_comm.allgather(world_rank)
+        self.ring_comm = mpi_comm.Dup()
+        self.p2p_comm = mpi_comm.Dup()
+        self.ctl_comm = mpi_comm.Dup()
+        self.node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        leader = self.node_comm.bcast(world_rank, root=0)
+        self.topology: Topology = topology_from_keys(mpi_comm.allgather(leader))
+        self.local_rank: int = self.node_comm.Get_rank()
+        self.local_size: int = self.node_comm.Get_size()
+        self.cross_rank: int = self.topology.cross_rank(self.rank)
+        self.cross_size: int = self.topology.cross_size
+        # Ranks with the same local rank on every node: the inter-node ring of the
+        # hierarchical all-reduce.
+        self.cross_comm = mpi_comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_ring_comm = self.cross_comm.Dup()
+        self.seq = 0  # collectives entered, identical on every rank when they agree
+        self.shm_arena = None  # created on first shared-memory use
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, rank {self.rank}/{self.size}, nodes {self.cross_size})"
+
+    def world_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def describe_ranks(self, group_ranks: Sequence[int]) -> str:
+        if not group_ranks:
+            return "none"
+        if self.name == "world":
+            return "ranks " + ", ".join(str(r) for r in group_ranks)
+        return "ranks " + ", ".join(f"{r} (world rank {self.ranks[r]})" for r in group_ranks)
+
+    def free(self) -> None:
+        if self.shm_arena is not None:
+            self.shm_arena.free()
+            self.shm_arena = None
+        for c in (self.ring_comm, self.p2p_comm, self.ctl_comm, self.node_comm, self.cross_comm, self.cross_ring_comm):
+            try:
+                c.Free()
+            except Exception:
+                pass
+
+
+# --------------------------------------------------------------------------- init
+def init(check_slurm: bool = True) -> "Group":
+    """Start MPI (idempotent) and return the world group.
+
+    Works under mpiexec/mpirun, ``srun --mpi=pmix`` and as a plain single process. Under a
+    direct srun launch, a world size that differs from SLURM's task count is an error.
+    """
+    with _init_lock:
+        if _state["world"] is not None:
+            return _state["world"]
+        import mpi4py
+
+        mpi4py.rc.thread_level = "multiple"  # the watchdog and async ops use threads
+        # Open MPI: shared windows need only osc/sm; osc/ucx prints errors where UCX has no
+        # usable transport (workstations). A user's own setting wins.
+        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+        from mpi4py import MPI
+
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+            _state["finalize"] = True
+        _state["MPI"] = MPI
+        if check_slurm:
+            launcher.check_world_size(os.environ, MPI.COMM_WORLD.Get_size())
+        world = Group(MPI.COMM_WORLD, "world")
+        _state["world"] = world
+        dog = Watchdog(world.rank, lambda code: MPI.COMM_WORLD.Abort(code), stall_timeout())
+        if world.size > 1:
+            dog.start()
+            _install_excepthook()
+        _state["watchdog"] = dog
+        return world
+
+
+def is_initialized() -> bool:
+    return _state["world"] is not None
+
+
+def shutdown() -> None:
+    """Wait for pending async work, free hpctrain's communicators. MPI itself is finalized by
+    mpi4py at exit (so that mpi4py users can keep using MPI after hpctrain is done)."""
+    if _state["world"] is None:
+        return
+    from .asyncq import drain
+
+    drain()
+    if _state["watchdog"] is not None:
+        _state["watchdog"].stop()
+    _state["world"].free()
+    _state["world"] = None
+
+
+def world() -> Group:
+    group = _state["world"]
+    if group is None:
+        raise NotInitializedError(
+            "hpctrain.comm is not initialized. HINT: call hpctrain.comm.init() (or hvd.init()) first."
+        )
+    return group
+
+
+def watchdog() -> Watchdog:
+    world()
+    return _state["watchdog"]
+
+
+def resolve(group: Optional[Group]) -> Group:
+    g = world() if group is None else group
+    if not isinstance(g, Group):
+        raise TypeError(f"group must be an hpctrain.comm.Group or None, got {type(g).__name__}")
+    return g
+
+
+def rank() -> int:
+    return world().rank
+
+
+def size() -> int:
+    return world().size
+
+
+def local_rank() -> int:
+    return world().local_rank
+
+
+def local_size() -> int:
+    return world().local_size
+
+
+def cross_rank() -> int:
+    return world().cross_rank
+
+
+def cross_size() -> int:
+    return world().cross_size
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def mpi_library_version() -> str:
+    """The MPI library's own version string (first line), e.g. 'Open MPI v5.0.11, …'."""
+    import mpi4py
+
+    from mpi4py import MPI  # noqa: F811 - the one place other packages get MPI facts from
+
+    return MPI.Get_library_version().strip().splitlines()[0] + f" (mpi4py {mpi4py.__version__})"
+
+
+def mpi_threads_supported() -> bool:
+    return _mpi().Query_thread() == _mpi().THREAD_MULTIPLE
+
+
+# --------------------------------------------------------------------------- groups
+def new_group(ranks: Sequence[int]) -> Optional[Group]:
+    """A group of the given world ranks (in that order). Every world rank must call this;
+    ranks outside the group get None."""
+    w = world()
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError("new_group needs at least one rank")
+    bad = [r for r in ranks if not 0 <= r < w.size]
+    if bad or len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group: ranks must be distinct world ranks in [0, {w.size}); got {ranks}")
+    MPI = _mpi()
+    mpi_group = w.comm.Get_group().Incl(ranks)
+    sub = w.comm.Create(mpi_group)  # collective over the world
+    mpi_group.Free()
+    if sub == MPI.COMM_NULL:
+        return None
+    return Group(sub, f"group{ranks}")
+
+
+def split(color: int, key: Optional[int] = None, group: Optional[Group] = None) -> Group:
+    """Split a group by colour (like MPI_Comm_split): ranks with the same colour form a group,
+    ordered by ``key`` (default: their rank). Every rank of ``group`` must call this."""
+    g = resolve(group)
+    if color < 0:
+        raise ValueError(f"split: colour must be ≥ 0, got {color}")
+    sub = g.comm.Split(color=color, key=g.rank if key is None else key)
+    return Group(sub, f"{g.name}/color{color}")
+
+
+# --------------------------------------------------------------------------- aborting
+def abort_job(code: int = 1) -> None:
+    MPI = _state["MPI"]
+    if MPI is not None:
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def _install_excepthook() -> None:
+    """An uncaught exception on any rank aborts the whole job (instead of the other ranks
+    hanging in their next collective). Set HPCTRAIN_ABORT_ON_EXCEPTION=0 to keep Python's hook."""
+    if os.environ.get("HPCTRAIN_ABORT_ON_EXCEPTION", "1") == "0":
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt) or _state["world"] is None:
+            previous(exc_type, exc, tb)
+            return
+        report_and_abort(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def report_and_abort(exc_type, exc, tb) -> None:
+    rank_ = _state["world"].rank if _state["world"] is not None else "?"
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(
+        f"hpctrain: rank {rank_} raised an unhandled exception; aborting the whole job so the "
+        f"other ranks do not hang.\n{text}"
+    )
+    sys.stderr.flush()
+    abort_job(1)
