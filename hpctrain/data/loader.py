@@ -1,0 +1,395 @@
+"""Rank-aware batch loader over one or many HDF5 files (the hot path of every epoch).
+
+:class:`HDF5Dataset` is a ``torch.utils.data.IterableDataset`` whose items are whole batches:
+``{"x": tensor, "y": tensor, ..., "mask": bool tensor, "index": int64 tensor}``. ``mask`` is
+False for padding samples (see :mod:`hpctrain.data.planner`), ``index`` holds the global
+sample ids. ``len(ds)`` is the number of steps per epoch, the same on every rank.
+
+How it reads (the design that makes it fast):
+
+1. The planner gives this rank's sample ids for the epoch, in chunk-aligned blocks of at
+   least ``block_bytes`` (whole HDF5 chunks) whose order is shuffled per epoch.
+2. The ids are walked one *window* (about ``window_bytes``, a whole number of batches) at a
+   time. A background thread covers the window with a few contiguous ``[lo, hi)`` runs and
+   ``read_direct``-s each run into a preallocated staging buffer: large slab reads, no
+   per-sample ``dset[i]``, no intermediate copies.
+3. The consuming thread gathers each batch from the staging buffer with
+   ``torch.index_select`` (in-memory shuffle; it releases the GIL, so it overlaps with the
+   next window's read) into a fresh tensor, casts dtypes and applies transforms.
+
+Files are opened lazily in the process that iterates and re-opened after a ``fork`` (the
+handles are never shared with DataLoader worker processes). With ``driver="auto"`` the
+files are opened with parallel HDF5 (``driver="mpio"``) when h5py was built with MPI, the
+world has several ranks and we are not in a DataLoader worker; otherwise each rank reads
+independently with the default (serial) driver.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import queue
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import h5py
+import numpy as np
+import torch
+
+from hpctrain.data.errors import ConfigError, DataError
+from hpctrain.data.h5files import (
+    FileInfo, check_compatible, describe, has_mpio, open_h5, read_error,
+)
+from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, plan_epoch, read_runs
+
+log = logging.getLogger("hpctrain.data")
+
+Batch = Dict[str, torch.Tensor]
+PathsArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+H5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
+
+
+def expand_paths(paths: PathsArg) -> List[str]:
+    """Files from a path, a glob, a directory (its HDF5 files, sorted) or a list of those."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    out: List[str] = []
+    for item in items:
+        p = os.fspath(item)
+        if os.path.isdir(p):
+            found = sorted(os.path.join(p, n) for n in os.listdir(p)
+                           if n.endswith(H5_SUFFIXES) and not n.startswith("."))
+            if not found:
+                raise DataError("directory holds no HDF5 files (*.h5, *.hdf5)", path=p)
+            out.extend(found)
+        elif any(c in p for c in "*?[") and not os.path.exists(p):
+            found = sorted(glob.glob(p))
+            if not found:
+                raise DataError("pattern matches no file", path=p)
+            out.extend(found)
+        else:
+            out.append(p)
+    if not out:
+        raise ConfigError("no input files given")
+    return out
+
+
+def choose_driver(requested: Optional[str], h5py_has_mpi: bool, world_size: int, in_worker: bool) -> Optional[str]:
+    """The h5py driver to open files with: ``"mpio"`` or None (HDF5's default, serial)."""
+    if requested in (None, "serial", "sec2"):
+        return None
+    if requested == "mpio":
+        if not h5py_has_mpi:
+            raise ConfigError("driver='mpio' needs h5py built against parallel HDF5; this h5py is serial",
+                              hint="use driver='auto' (falls back to serial reads) or install a parallel h5py")
+        if in_worker:
+            raise ConfigError("driver='mpio' cannot be used in DataLoader worker processes (they are not MPI ranks)",
+                              hint="use num_workers=0 with mpio, or driver='auto'")
+        return "mpio"
+    if requested == "auto":
+        return "mpio" if (h5py_has_mpi and world_size > 1 and not in_worker) else None
+    raise ConfigError(f"unknown driver {requested!r}; expected 'auto', 'mpio' or 'serial'")
+
+
+def _torch_dtype(dtype: Union[str, torch.dtype, np.dtype, None]) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and hasattr(torch, dtype) and isinstance(getattr(torch, dtype), torch.dtype):
+        return getattr(torch, dtype)
+    try:
+        return torch.from_numpy(np.zeros(0, dtype=np.dtype(dtype))).dtype
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"unknown dtype {dtype!r}") from exc
+
+
+def _world_default(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    from hpctrain import comm
+
+    comm.init()
+    return (comm.rank() if rank is None else int(rank)), (comm.size() if world_size is None else int(world_size))
+
+
+class HDF5Dataset(torch.utils.data.IterableDataset):
+    """Batches of this rank's share of HDF5 data; ``len()`` = steps per epoch on every rank.
+
+    Args:
+        paths: a file, directory, glob, or a list of those; files are one global index.
+        keys: dataset names to load together (same sample count in a file).
+        batch_size: samples per step per rank (``weighted``: the mean; see ``batch_size_here``).
+        policy: ``"contiguous"`` (default), ``"strided"`` or ``"weighted"``.
+        seed, shuffle, drop_last, weights: see :func:`hpctrain.data.planner.plan_epoch`.
+        rank, world_size: default ``hpctrain.comm.rank()`` / ``size()``.
+        dtypes: per-key dtype to cast to, e.g. ``{"x": torch.float32}``.
+        transforms: per-key callables ``tensor -> tensor``; ``transform``: ``dict -> dict``
+            applied last, on the whole batch.
+        prefetch: windows read ahead in a background thread (0 = read in the caller).
+        window_bytes: bytes read per window (default 64 MiB); block_bytes: minimum bytes of a
+            contiguous block (default 4 MiB, rounded up to whole HDF5 chunks).
+        driver: ``"auto"``, ``"mpio"`` or ``"serial"``.
+        mask_key, index_key: names of the padding mask and the global-id entries.
+    """
+
+    def __init__(
+        self,
+        paths: PathsArg,
+        keys: Sequence[str] = ("x", "y"),
+        batch_size: int = 32,
+        *,
+        policy: str = "contiguous",
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        weights: Optional[Sequence[float]] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        dtypes: Optional[Mapping[str, Any]] = None,
+        transforms: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None,
+        transform: Optional[Callable[[Batch], Batch]] = None,
+        prefetch: int = 1,
+        window_bytes: int = 64 << 20,
+        block_bytes: int = 4 << 20,
+        driver: Optional[str] = "auto",
+        mask_key: str = "mask",
+        index_key: str = "index",
+    ) -> None:
+        super().__init__()
+        if isinstance(keys, str):
+            keys = [keys]
+        self.keys: List[str] = list(keys)
+        if not self.keys:
+            raise ConfigError("keys is empty; expected at least one dataset name, e.g. keys=['x', 'y']")
+        for reserved in (mask_key, index_key):
+            if reserved in self.keys:
+                raise ConfigError(f"key {reserved!r} clashes with the batch's {reserved!r} entry",
+                                  hint="pass mask_key=/index_key= with other names")
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if prefetch < 0 or window_bytes < 1 or block_bytes < 1:
+            raise ConfigError("prefetch must be >= 0 and window_bytes, block_bytes >= 1")
+        self.paths = expand_paths(paths)
+        self.rank, self.world_size = _world_default(rank, world_size)
+        self.batch_size = int(batch_size)
+        self.policy = policy
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.dtypes = {k: _torch_dtype(v) for k, v in (dtypes or {}).items()}
+        self.transforms = dict(transforms or {})
+        self.transform = transform
+        for k in list(self.dtypes) + list(self.transforms):
+            if k not in self.keys:
+                raise ConfigError(f"dtypes/transforms name key {k!r}, which is not in keys {self.keys}")
+        self.prefetch = int(prefetch)
+        self.driver = driver
+        choose_driver(driver, has_mpio(), self.world_size, False)  # validate early
+        self.mask_key, self.index_key = mask_key, index_key
+        self.epoch = 0
+
+        self.files: List[FileInfo] = [describe(p, self.keys) for p in self.paths]
+        check_compatible(self.files, self.keys)
+        self.counts = [f.num_samples for f in self.files]
+        self.offsets = global_offsets(self.counts)
+        self.row_bytes = sum(self.files[0].keys[k].row_bytes for k in self.keys)
+        # Blocks: whole chunks of the widest key, at least block_bytes long.
+        self.block_rows = []
+        for f in self.files:
+            widest = max(self.keys, key=lambda k: f.keys[k].row_bytes)
+            chunk = f.keys[widest].chunk_rows
+            per_block = max(1, -(-block_bytes // max(1, chunk * self.row_bytes)))
+            self.block_rows.append(chunk * per_block)
+        self._gap = max(1, min(self.block_rows))
+        try:
+            first = self._plan(0)
+        except DataError as exc:
+            shown = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (+{len(self.paths) - 1} files)"
+            raise type(exc)(str(exc), path=shown, key=self.keys[0]) from exc
+        self.batch_size_here = first.batch_size
+        self.window_steps = max(1, window_bytes // max(1, first.batch_size * self.row_bytes))
+        self._steps = first.steps
+        self._handles: Dict[int, h5py.File] = {}
+        self._pid: Optional[int] = None
+
+    # -- planning ---------------------------------------------------------------------
+    def _plan(self, epoch: int, window_steps: int = 0) -> RankPlan:
+        return plan_epoch(self.counts, self.world_size, self.rank, self.batch_size, seed=self.seed,
+                          epoch=epoch, policy=self.policy, drop_last=self.drop_last, shuffle=self.shuffle,
+                          weights=self.weights, block_rows=self.block_rows, window_steps=window_steps)
+
+    def plan(self, epoch: Optional[int] = None) -> RankPlan:
+        """This rank's plan for ``epoch`` (default: the current one)."""
+        return self._plan(self.epoch if epoch is None else epoch, self.window_steps)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (reshuffles deterministically from ``seed`` and ``epoch``)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self._steps
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in all files together."""
+        return int(self.offsets[-1])
+
+    def dataloader(self, num_workers: int = 0, **kwargs) -> torch.utils.data.DataLoader:
+        """A ``torch.utils.data.DataLoader`` over this dataset (batches are already made).
+
+        Worker ``w`` of ``k`` reads windows ``w, w+k, ...``; all batches of the epoch are
+        produced once. Call ``set_epoch`` before iterating; keep ``persistent_workers``
+        False (the default) so the workers see the new epoch.
+        """
+        kwargs.setdefault("pin_memory", False)
+        return torch.utils.data.DataLoader(self, batch_size=None, num_workers=num_workers, **kwargs)
+
+    # -- files ------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        state["_pid"] = None
+        return state
+
+    def _file(self, i: int) -> h5py.File:
+        pid = os.getpid()
+        if self._pid != pid:
+            # Fresh process (fork or spawn): never use a parent's handles.
+            self._handles = {}
+            self._pid = pid
+        f = self._handles.get(i)
+        if f is None:
+            in_worker = torch.utils.data.get_worker_info() is not None
+            driver = choose_driver(self.driver, has_mpio(), self.world_size, in_worker)
+            if driver == "mpio":
+                from hpctrain import comm
+
+                f = open_h5(self.paths[i], "r", driver="mpio", comm=comm.world().comm)
+            else:
+                f = open_h5(self.paths[i], "r")
+            self._handles[i] = f
+        return f
+
+    def close(self) -> None:
+        """Close the files opened by this process (they reopen on the next iteration)."""
+        if self._pid == os.getpid():
+            for f in self._handles.values():
+                try:
+                    f.close()
+                except Exception:  # noqa: BLE001 - closing is best effort
+                    pass
+        self._handles = {}
+
+    # -- reading ----------------------------------------------------------------------
+    def _read_window(self, ids: np.ndarray, buffers: Dict[str, np.ndarray]) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
+        """Read the rows of ``ids`` into staging buffers; return them and each id's row."""
+        runs = read_runs(ids, self.offsets, max_gap=self._gap)
+        total = sum(hi - lo for _, lo, hi in runs)
+        staging: Dict[str, np.ndarray] = {}
+        for key in self.keys:
+            info = self.files[0].keys[key]
+            buf = buffers.get(key)
+            if buf is None or buf.shape[0] < total:
+                buf = np.empty((max(total, 1),) + info.shape[1:], dtype=info.dtype)
+                buffers[key] = buf
+            staging[key] = buf
+        starts = np.empty(len(runs), np.int64)
+        where = np.empty(len(runs), np.int64)
+        pos = 0
+        for j, (fi, lo, hi) in enumerate(runs):
+            f = self._file(fi)
+            for key in self.keys:
+                try:
+                    f[key].read_direct(staging[key], np.s_[lo:hi], np.s_[pos:pos + hi - lo])
+                except Exception as exc:  # damaged chunk, fletcher32 mismatch, ...
+                    raise read_error(exc, self.paths[fi], key) from exc
+            starts[j] = self.offsets[fi] + lo
+            where[j] = pos
+            pos += hi - lo
+        run = np.searchsorted(starts, ids, side="right") - 1
+        return staging, where[run] + (ids - starts[run])
+
+    def _windows(self, plan: RankPlan) -> List[Tuple[int, int]]:
+        w = self.window_steps
+        windows = [(s, min(s + w, plan.steps)) for s in range(0, plan.steps, w)]
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            windows = windows[worker.id::worker.num_workers]
+        return windows
+
+    def _batches(self, plan: RankPlan, window: Tuple[int, int], staging: Dict[str, np.ndarray],
+                 rows: np.ndarray) -> Iterator[Batch]:
+        b = plan.batch_size
+        s0, s1 = window
+        tensors = {k: torch.from_numpy(v) for k, v in staging.items()}
+        rows_t = torch.from_numpy(rows)
+        for step in range(s0, s1):
+            sl = slice((step - s0) * b, (step - s0 + 1) * b)
+            batch: Batch = {}
+            for key in self.keys:
+                t = torch.index_select(tensors[key], 0, rows_t[sl])
+                dt = self.dtypes.get(key)
+                if dt is not None and t.dtype != dt:
+                    t = t.to(dt)
+                fn = self.transforms.get(key)
+                if fn is not None:
+                    t = fn(t)
+                batch[key] = t
+            g = slice(step * b, (step + 1) * b)
+            batch[self.mask_key] = torch.from_numpy(plan.mask[g])
+            batch[self.index_key] = torch.from_numpy(plan.indices[g])
+            if self.transform is not None:
+                batch = self.transform(batch)
+            yield batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        plan = self.plan()
+        windows = self._windows(plan)
+        b = plan.batch_size
+        if self.prefetch == 0:
+            buffers: Dict[str, np.ndarray] = {}
+            for s0, s1 in windows:
+                staging, rows = self._read_window(plan.indices[s0 * b:s1 * b], buffers)
+                yield from self._batches(plan, (s0, s1), staging, rows)
+            return
+        yield from self._iter_prefetch(plan, windows)
+
+    def _iter_prefetch(self, plan: RankPlan, windows: List[Tuple[int, int]]) -> Iterator[Batch]:
+        b = plan.batch_size
+        free: "queue.Queue[Dict[str, np.ndarray]]" = queue.Queue()
+        for _ in range(self.prefetch + 1):
+            free.put({})
+        ready: "queue.Queue[Any]" = queue.Queue()
+        stop = threading.Event()
+        done = object()
+
+        def produce() -> None:
+            try:
+                for s0, s1 in windows:
+                    buffers = free.get()
+                    if stop.is_set():
+                        return
+                    staging, rows = self._read_window(plan.indices[s0 * b:s1 * b], buffers)
+                    ready.put(((s0, s1), staging, rows, buffers))
+                ready.put(done)
+            except BaseException as exc:  # handed to the consumer, raised there
+                ready.put(exc)
+
+        thread = threading.Thread(target=produce, name="hpctrain-data-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                window, staging, rows, buffers = item
+                yield from self._batches(plan, window, staging, rows)
+                free.put(buffers)
+        finally:
+            stop.set()
+            free.put({})  # wake the producer if it waits for a buffer
+            thread.join()
+
+
+HDF5Loader = HDF5Dataset  # the dataset *is* the loader: iterate it, or wrap it in .dataloader()

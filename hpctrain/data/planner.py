@@ -1,0 +1,321 @@
+"""Partition planner: which samples each rank reads in one epoch (pure; no files, no MPI).
+
+Samples of several files are numbered with one *global index*: file 0's rows first, then
+file 1's, and so on (:func:`global_offsets`). Given the per-file sample counts, the world
+size, a rank, a batch size, a seed, an epoch and a policy, :func:`plan_epoch` returns a
+:class:`RankPlan`: this rank's global sample ids for the whole epoch, ``steps * batch_size``
+of them, and a boolean ``mask`` that is False for padding.
+
+Every rank gets the **same number of steps** (unequal step counts hang collectives):
+
+- ``drop_last=True``: ``steps = N // global_batch``; the tail of the epoch's order (fewer
+  than ``global_batch`` samples for ``contiguous``/``weighted``; fewer than
+  ``world_size * (batch_size + 1)`` for ``strided``, as DistributedSampler + DataLoader do)
+  is not used this epoch. With shuffling a different tail is dropped every epoch.
+- ``drop_last=False`` (default): ``steps = ceil(N / global_batch)`` (``strided``: as
+  DistributedSampler); missing slots are filled with repeats of real samples whose ``mask``
+  is False, so every sample is seen exactly once with ``mask=True`` and evaluation can ignore
+  the padding. A batch can hold zero real samples when N is just above a multiple of the
+  global batch: weight losses and metrics by ``mask.sum()``, never by ``batch_size``.
+
+Policies:
+
+``contiguous`` (default)
+    The global index is cut into blocks of ``block_rows`` rows per file (the loader passes
+    the HDF5 chunk length, so blocks are chunk-aligned and never cross a file). The block
+    order is shuffled per epoch from ``(seed, epoch)``; rank r takes the r-th contiguous
+    stretch of that order. Each rank reads few, large, contiguous slabs.
+``strided``
+    Exactly the index lists of ``torch.utils.data.DistributedSampler(num_replicas=W,
+    rank=r, shuffle, seed, drop_last)`` at ``set_epoch(epoch)``, cut into batches as a
+    ``DataLoader(batch_size, drop_last)`` would (the last partial batch padded and masked).
+    Reads are scattered: every rank touches every chunk.
+``weighted``
+    Like ``contiguous``, but rank r's share is proportional to ``weights[r]`` (e.g. measured
+    samples/s on mixed nodes). Steps stay equal, so the per-rank batch size differs:
+    ``RankPlan.batch_size`` is this rank's; the global batch stays ``world_size * batch_size``.
+
+With ``window_steps > 0`` and shuffling, each rank's ids are also permuted inside windows of
+``window_steps`` batches (the loader reads one window of whole blocks at a time and shuffles
+it in memory), seeded by ``(seed, epoch, rank, window)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from hpctrain.data.errors import ConfigError, TooFewSamplesError
+
+POLICIES = ("contiguous", "strided", "weighted")
+
+
+def global_offsets(counts: Sequence[int]) -> np.ndarray:
+    """Start of each file in the global index, plus the total at the end (length len+1)."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(counts, dtype=np.int64), out=out[1:])
+    return out
+
+
+def locate(global_ids: np.ndarray, offsets: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Map global sample ids to (file number, row within that file)."""
+    ids = np.asarray(global_ids, dtype=np.int64)
+    files = np.searchsorted(offsets, ids, side="right") - 1
+    return files, ids - offsets[files]
+
+
+def apportion(total: int, weights: Sequence[float], minimum: int = 0) -> List[int]:
+    """Split the integer ``total`` in proportion to ``weights`` (largest remainder method).
+
+    Ties go to the lower index, so the result is deterministic; every part is at least
+    ``minimum`` (taken from the largest parts) when ``total >= minimum * len(weights)``.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ConfigError(f"weights must be positive finite numbers, got {list(weights)!r}",
+                          hint="pass one weight per rank, e.g. measured samples/s")
+    exact = total * w / w.sum()
+    parts = np.floor(exact).astype(np.int64)
+    rest = int(total - parts.sum())
+    order = sorted(range(len(w)), key=lambda i: (-(exact[i] - parts[i]), i))
+    for i in order[:rest]:
+        parts[i] += 1
+    for i in range(len(parts)):
+        while parts[i] < minimum:
+            j = int(np.argmax(parts))
+            if parts[j] <= minimum:
+                raise ConfigError(f"cannot give each of {len(w)} parts at least {minimum} of {total}")
+            parts[j] -= 1
+            parts[i] += 1
+    return [int(p) for p in parts]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's epoch: ``indices`` (global sample ids) and ``mask`` (False = padding).
+
+    ``indices`` has ``steps * batch_size`` entries; batch ``s`` is
+    ``indices[s*batch_size:(s+1)*batch_size]``.
+    """
+
+    rank: int
+    world_size: int
+    epoch: int
+    policy: str
+    steps: int
+    batch_size: int
+    global_batch: int
+    num_samples: int
+    window_steps: int
+    indices: np.ndarray = field(repr=False)
+    mask: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.world_size
+        assert self.indices.shape == (self.steps * self.batch_size,), (self.indices.shape, self.steps)
+        assert self.mask.shape == self.indices.shape and self.mask.dtype == np.bool_
+        assert self.indices.size == 0 or (self.indices.min() >= 0 and self.indices.max() < self.num_samples)
+
+    @property
+    def num_real(self) -> int:
+        """Samples of this rank that are not padding."""
+        return int(self.mask.sum())
+
+    def batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Global ids and mask of batch ``step``."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} out of range 0..{self.steps - 1}")
+        sl = slice(step * self.batch_size, (step + 1) * self.batch_size)
+        return self.indices[sl], self.mask[sl]
+
+
+def rank_batch_sizes(world_size: int, batch_size: int, policy: str,
+                     weights: Optional[Sequence[float]] = None) -> List[int]:
+    """Per-rank batch sizes: ``batch_size`` each, or the global batch split by ``weights``."""
+    if policy == "weighted":
+        if weights is None or len(weights) != world_size:
+            raise ConfigError(
+                f"policy 'weighted' needs one weight per rank ({world_size}), got {weights!r}",
+                hint="pass weights=[samples/s of rank 0, of rank 1, ...]")
+        return apportion(world_size * batch_size, weights, minimum=1)
+    return [batch_size] * world_size
+
+
+def _check_args(counts: Sequence[int], world_size: int, rank: int, batch_size: int,
+                policy: str, weights: Optional[Sequence[float]]) -> None:
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not in a world of {world_size}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+    if any(int(c) < 0 for c in counts):
+        raise ConfigError(f"sample counts must be >= 0, got {list(counts)!r}")
+    if weights is not None and policy != "weighted":
+        raise ConfigError(f"weights are used only by policy 'weighted', not {policy!r}",
+                          hint="pass policy='weighted' or drop the weights")
+
+
+def _blocks(counts: Sequence[int], block_rows: Union[int, Sequence[int]]) -> np.ndarray:
+    """Chunk-aligned blocks as a (n, 2) array of global [start, stop), in index order."""
+    sizes = [block_rows] * len(counts) if isinstance(block_rows, (int, np.integer)) else list(block_rows)
+    if len(sizes) != len(counts) or any(int(b) < 1 for b in sizes):
+        raise ConfigError(f"block_rows must be >= 1, one per file; got {block_rows!r}")
+    offsets = global_offsets(counts)
+    starts: List[np.ndarray] = []
+    for f, (count, b) in enumerate(zip(counts, sizes)):
+        starts.append(offsets[f] + np.arange(0, int(count), int(b), dtype=np.int64))
+    lo = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    hi = np.empty_like(lo)
+    hi[:-1] = lo[1:]
+    if len(lo):
+        hi[-1] = offsets[-1]
+    # A block never crosses into the next file.
+    files = np.searchsorted(offsets, lo, side="right") - 1
+    hi = np.minimum(hi, offsets[files + 1])
+    return np.stack([lo, hi], axis=1)
+
+
+def _expand(blocks: np.ndarray) -> np.ndarray:
+    lengths = blocks[:, 1] - blocks[:, 0]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    starts = np.repeat(blocks[:, 0] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return starts + np.arange(total, dtype=np.int64)
+
+
+def _contiguous(counts, world_size, rank, sizes, seed, epoch, drop_last, shuffle, block_rows):
+    n = int(sum(counts))
+    g = sum(sizes)
+    blocks = _blocks(counts, block_rows)
+    if shuffle:
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0xB10C])
+        blocks = blocks[rng.permutation(len(blocks))]
+    order = _expand(blocks)
+    mine = sizes[rank]
+    if drop_last:
+        steps = n // g
+        start = steps * sum(sizes[:rank])
+        idx = order[start:start + steps * mine]
+        return steps, idx, np.ones(idx.shape, np.bool_)
+    steps = -(-n // g)
+    # Spread the padding: rank r gets real[r] real samples (proportional to its batch size)
+    # and fills the rest of its steps*mine slots with repeats of its own first samples.
+    real = apportion(n, sizes)
+    start = sum(real[:rank])
+    own = order[start:start + real[rank]]
+    slots = steps * mine
+    idx = own[np.arange(slots) % len(own)]
+    mask = np.arange(slots) < len(own)
+    return steps, idx, mask
+
+
+def _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle):
+    # Same arithmetic as torch.utils.data.DistributedSampler.
+    if drop_last and n % world_size:
+        per_rank = math.ceil((n - world_size) / world_size)
+    else:
+        per_rank = math.ceil(n / world_size)
+    total = per_rank * world_size
+    if shuffle:
+        import torch  # only for torch.randperm, to reproduce DistributedSampler exactly
+
+        gen = torch.Generator()
+        gen.manual_seed(int(seed) + int(epoch))
+        order = torch.randperm(n, generator=gen).numpy().astype(np.int64)
+    else:
+        order = np.arange(n, dtype=np.int64)
+    positions = np.arange(total, dtype=np.int64)
+    padded = order[positions % n]  # DistributedSampler repeats from the start
+    real = positions < n
+    idx = padded[rank:total:world_size]
+    mask = real[rank:total:world_size]
+    if drop_last:
+        steps = per_rank // batch_size
+        return steps, idx[:steps * batch_size], mask[:steps * batch_size]
+    steps = -(-per_rank // batch_size)
+    slots = steps * batch_size
+    fill = np.arange(slots) % per_rank
+    return steps, idx[fill], mask[fill] & (np.arange(slots) < per_rank)
+
+
+def _window_shuffle(idx, mask, window_rows, seed, epoch, rank):
+    idx = idx.copy()
+    mask = mask.copy()
+    for w, start in enumerate(range(0, len(idx), window_rows)):
+        stop = min(start + window_rows, len(idx))
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), w])
+        p = start + rng.permutation(stop - start)
+        idx[start:stop] = idx[p]
+        mask[start:stop] = mask[p]
+    return idx, mask
+
+
+def plan_epoch(
+    counts: Sequence[int],
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    policy: str = "contiguous",
+    drop_last: bool = False,
+    shuffle: bool = True,
+    weights: Optional[Sequence[float]] = None,
+    block_rows: Union[int, Sequence[int]] = 1024,
+    window_steps: int = 0,
+) -> RankPlan:
+    """This rank's samples for one epoch. See the module docstring for the policies.
+
+    ``counts``: samples per file (global index = files concatenated). ``block_rows``: block
+    length for ``contiguous``/``weighted`` (one int, or one per file: use the HDF5 chunk
+    length). Raises :class:`TooFewSamplesError` when ``sum(counts)`` is smaller than the
+    global batch, and :class:`ConfigError` for bad arguments.
+    """
+    _check_args(counts, world_size, rank, batch_size, policy, weights)
+    n = int(sum(int(c) for c in counts))
+    sizes = rank_batch_sizes(world_size, batch_size, policy, weights)
+    g = sum(sizes)
+    if n < g:
+        raise TooFewSamplesError(
+            f"{n} samples are fewer than {world_size} ranks x batch size {batch_size} = {g}; "
+            "some rank would get no full step",
+            hint=f"use batch_size <= {max(1, n // world_size)} or fewer ranks, or add data")
+    if policy == "strided":
+        steps, idx, mask = _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle)
+    else:
+        steps, idx, mask = _contiguous([int(c) for c in counts], world_size, rank, sizes, seed,
+                                       epoch, drop_last, shuffle, block_rows)
+    if window_steps > 0 and shuffle:
+        idx, mask = _window_shuffle(idx, mask, window_steps * sizes[rank], seed, epoch, rank)
+    return RankPlan(
+        rank=rank, world_size=world_size, epoch=int(epoch), policy=policy, steps=int(steps),
+        batch_size=sizes[rank], global_batch=g, num_samples=n, window_steps=int(window_steps),
+        indices=np.ascontiguousarray(idx, dtype=np.int64), mask=np.ascontiguousarray(mask, dtype=np.bool_),
+    )
+
+
+def plan_all(counts: Sequence[int], world_size: int, batch_size: int, **kwargs) -> List[RankPlan]:
+    """Every rank's plan (for tests and for tools that print the whole partition)."""
+    return [plan_epoch(counts, world_size, r, batch_size, **kwargs) for r in range(world_size)]
+
+
+def read_runs(global_ids: np.ndarray, offsets: np.ndarray, max_gap: int = 0
+              ) -> List[Tuple[int, int, int]]:
+    """Cover a set of global ids with few contiguous reads: ``[(file, row_start, row_stop)]``.
+
+    Ids are sorted; neighbouring ids closer than ``max_gap`` rows in the same file share one
+    read (reading a few unused rows beats one more HDF5 call). Reads never cross a file.
+    """
+    ids = np.unique(np.asarray(global_ids, dtype=np.int64))
+    if ids.size == 0:
+        return []
+    files, rows = locate(ids, offsets)
+    breaks = np.flatnonzero((np.diff(ids) > max_gap + 1) | (np.diff(files) != 0)) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [len(ids)]])
+    return [(int(files[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]

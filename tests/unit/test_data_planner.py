@@ -1,0 +1,161 @@
+"""Property tests of the partition planner: every rank's plan built in one process."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hpctrain.data.errors import ConfigError, DataError, TooFewSamplesError
+from hpctrain.data.planner import (
+    POLICIES, apportion, global_offsets, locate, plan_all, plan_epoch, read_runs,
+)
+
+
+@st.composite
+def setups(draw):
+    world = draw(st.integers(1, 6))
+    batch = draw(st.integers(1, 9))
+    policy = draw(st.sampled_from(POLICIES))
+    nfiles = draw(st.integers(1, 4))
+    counts = draw(st.lists(st.integers(0, 60), min_size=nfiles, max_size=nfiles))
+    extra = draw(st.integers(0, 80))
+    counts[0] += max(0, world * batch * 2 - sum(counts)) + extra  # enough for the global batch
+    weights = (draw(st.lists(st.floats(0.2, 5.0), min_size=world, max_size=world))
+               if policy == "weighted" else None)
+    kwargs = dict(
+        seed=draw(st.integers(0, 2**31)),
+        epoch=draw(st.integers(0, 50)),
+        policy=policy,
+        drop_last=draw(st.booleans()),
+        shuffle=draw(st.booleans()),
+        weights=weights,
+        block_rows=draw(st.sampled_from([1, 3, 7, 16, [5] * nfiles])),
+        window_steps=draw(st.sampled_from([0, 1, 3])),
+    )
+    return counts, world, batch, kwargs
+
+
+@settings(max_examples=300, deadline=None)
+@given(setups())
+def test_partition_properties(setup):
+    counts, world, batch, kw = setup
+    n = sum(counts)
+    plans = plan_all(counts, world, batch, **kw)
+
+    # Equal number of steps on every rank, full batches, global batch = world * batch.
+    steps = {p.steps for p in plans}
+    assert len(steps) == 1 and plans[0].steps >= 1
+    assert sum(p.batch_size for p in plans) == world * batch == plans[0].global_batch
+    for p in plans:
+        assert len(p.indices) == p.steps * p.batch_size
+        assert p.indices.min() >= 0 and p.indices.max() < n
+
+    real = np.concatenate([p.indices[p.mask] for p in plans])
+    # Disjoint: no sample is real on two ranks (or twice on one).
+    assert len(np.unique(real)) == len(real)
+    dropped = n - len(real)
+    if kw["drop_last"]:
+        assert all(p.mask.all() for p in plans)
+        limit = world * (batch + 1) if kw["policy"] == "strided" else world * batch
+        assert 0 <= dropped < limit
+    else:
+        # Complete: every sample exactly once with mask True; padding is flagged.
+        assert dropped == 0
+        assert sorted(real.tolist()) == list(range(n))
+        padding = sum(int((~p.mask).sum()) for p in plans)
+        assert padding < world * batch
+
+    # Deterministic.
+    again = plan_all(counts, world, batch, **kw)
+    for a, b in zip(plans, again):
+        assert np.array_equal(a.indices, b.indices) and np.array_equal(a.mask, b.mask)
+
+
+@settings(max_examples=100, deadline=None)
+@given(setups())
+def test_order_differs_across_epochs(setup):
+    counts, world, batch, kw = setup
+    kw.update(shuffle=True, block_rows=1 if kw["policy"] != "strided" else kw["block_rows"])
+    n = sum(counts)
+    if n < 8:
+        return
+    a = plan_all(counts, world, batch, **kw)
+    b = plan_all(counts, world, batch, **{**kw, "epoch": kw["epoch"] + 1})
+    assert [p.steps for p in a] == [p.steps for p in b]
+    order_a = np.concatenate([p.indices for p in a])
+    order_b = np.concatenate([p.indices for p in b])
+    assert not np.array_equal(order_a, order_b)
+
+
+def test_epoch_order_differs_with_chunk_blocks():
+    # 100 blocks of 64 rows: the block order is reshuffled each epoch.
+    a = plan_epoch([6400], 2, 0, 32, seed=1, epoch=0, block_rows=64)
+    b = plan_epoch([6400], 2, 0, 32, seed=1, epoch=1, block_rows=64)
+    assert not np.array_equal(a.indices, b.indices)
+    # Without in-window shuffle each rank's ids are whole chunk-aligned blocks.
+    runs = read_runs(a.indices, global_offsets([6400]))
+    assert all(lo % 64 == 0 for _, lo, _ in runs[1:])
+
+
+def test_strided_matches_distributed_sampler():
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    for n, world, batch, drop, shuffle in [(103, 3, 4, False, True), (103, 3, 4, True, True),
+                                           (64, 4, 8, False, False), (17, 2, 3, True, False)]:
+        for rank in range(world):
+            ds = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle,
+                                    seed=7, drop_last=drop)
+            ds.set_epoch(5)
+            expected = list(ds)
+            loader_steps = len(torch.utils.data.DataLoader(expected, batch_size=batch, drop_last=drop))
+            plan = plan_epoch([n], world, rank, batch, seed=7, epoch=5, policy="strided",
+                              drop_last=drop, shuffle=shuffle)
+            assert plan.steps == loader_steps
+            used = expected[: plan.steps * batch]
+            assert plan.indices[: len(used)].tolist() == used
+
+
+def test_weighted_shares_follow_weights():
+    plans = plan_all([10000], 3, 100, policy="weighted", weights=[1.0, 2.0, 1.0], drop_last=True)
+    assert [p.batch_size for p in plans] == [75, 150, 75]
+    assert len({p.steps for p in plans}) == 1
+    assert [p.num_real for p in plans] == [p.steps * p.batch_size for p in plans]
+
+
+def test_padding_spread_over_ranks():
+    plans = plan_all([101], 4, 5, drop_last=False)
+    assert all(p.steps == 6 for p in plans)  # ceil(101 / 20)
+    pads = [int((~p.mask).sum()) for p in plans]
+    assert sum(pads) == 4 * 5 * 6 - 101 and max(pads) - min(pads) <= 1
+
+
+def test_global_index_across_files():
+    offsets = global_offsets([3, 0, 5])
+    assert offsets.tolist() == [0, 3, 3, 8]
+    files, rows = locate(np.array([0, 2, 3, 7]), offsets)
+    assert files.tolist() == [0, 0, 2, 2] and rows.tolist() == [0, 2, 0, 4]
+    assert read_runs(np.array([7, 0, 1, 2, 3, 5]), offsets) == [(0, 0, 3), (2, 0, 1), (2, 2, 3), (2, 4, 5)]
+    assert read_runs(np.array([3, 5, 7]), offsets, max_gap=1) == [(2, 0, 5)]
+
+
+def test_apportion():
+    assert apportion(10, [1, 1, 1]) == [4, 3, 3]
+    assert apportion(4, [100, 1, 1], minimum=1) == [2, 1, 1]
+    with pytest.raises(ConfigError):
+        apportion(3, [1, -1])
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(counts=[10], world_size=4, rank=0, batch_size=3), TooFewSamplesError, "fewer than 4 ranks x batch size 3"),
+    (dict(counts=[0, 0], world_size=1, rank=0, batch_size=1), TooFewSamplesError, "0 samples"),
+    (dict(counts=[100], world_size=2, rank=2, batch_size=1), ConfigError, "rank 2"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=1, policy="random"), ConfigError, "unknown policy"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=1, policy="weighted"), ConfigError, "one weight per rank"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=1, weights=[1, 2]), ConfigError, "only by policy"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=0), ConfigError, "batch_size"),
+])
+def test_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words) as info:
+        plan_epoch(**kwargs)
+    assert isinstance(info.value, DataError) and isinstance(info.value, ValueError)
