@@ -5,6 +5,7 @@ checksums. This and the other modules of ``hpctrain.data`` are the only ones imp
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -17,15 +18,17 @@ import h5py
 import numpy as np
 
 from hpctrain.data.errors import (
-    CorruptFileError, DataError, DtypeError, EmptyDataError, LengthMismatchError,
+    ConfigError, CorruptFileError, DataError, DtypeError, EmptyDataError, LengthMismatchError,
     MissingFileError, MissingKeyError, NotHDF5Error, PermissionDeniedError,
 )
 
 PathLike = Union[str, os.PathLike]
+PathsArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 FORMAT_ATTR = "hpctrain_format"  # root attribute marking files written by hpctrain
 CHECKSUM_ATTR = "sha256"  # dataset attribute: sha256 of the dataset's C-order bytes
 SLAB_BYTES = 64 << 20  # read/copy granularity of the tools
 NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex
+H5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
 
 
 def has_mpio() -> bool:
@@ -257,3 +260,27 @@ def creation_kwargs(dset: h5py.Dataset, rows: Optional[int] = None) -> dict:
     if dset.fillvalue is not None and dset.dtype.kind in NUMERIC_KINDS:
         kw["fillvalue"] = dset.fillvalue
     return kw
+
+
+def expand_paths(paths: PathsArg) -> List[str]:
+    """Files from a path, a glob, a directory (its HDF5 files, sorted) or a list of those."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    out: List[str] = []
+    for item in items:
+        p = os.fspath(item)
+        if os.path.isdir(p):
+            found = sorted(os.path.join(p, n) for n in os.listdir(p)
+                           if n.endswith(H5_SUFFIXES) and not n.startswith("."))
+            if not found:
+                raise DataError("directory holds no HDF5 files (*.h5, *.hdf5)", path=p)
+            out.extend(found)
+        elif any(c in p for c in "*?[") and not os.path.exists(p):
+            found = sorted(glob.glob(p))
+            if not found:
+                raise DataError("pattern matches no file", path=p)
+            out.extend(found)
+        else:
+            out.append(p)
+    if not out:
+        raise ConfigError("no input files given")
+    return out

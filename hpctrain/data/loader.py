@@ -25,7 +25,6 @@ independently with the default (serial) driver.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import queue
@@ -38,39 +37,13 @@ import torch
 
 from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
-    FileInfo, check_compatible, describe, has_mpio, open_h5, read_error,
+    FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
 )
 from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, plan_epoch, read_runs
 
 log = logging.getLogger("hpctrain.data")
 
 Batch = Dict[str, torch.Tensor]
-PathsArg = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
-H5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
-
-
-def expand_paths(paths: PathsArg) -> List[str]:
-    """Files from a path, a glob, a directory (its HDF5 files, sorted) or a list of those."""
-    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    out: List[str] = []
-    for item in items:
-        p = os.fspath(item)
-        if os.path.isdir(p):
-            found = sorted(os.path.join(p, n) for n in os.listdir(p)
-                           if n.endswith(H5_SUFFIXES) and not n.startswith("."))
-            if not found:
-                raise DataError("directory holds no HDF5 files (*.h5, *.hdf5)", path=p)
-            out.extend(found)
-        elif any(c in p for c in "*?[") and not os.path.exists(p):
-            found = sorted(glob.glob(p))
-            if not found:
-                raise DataError("pattern matches no file", path=p)
-            out.extend(found)
-        else:
-            out.append(p)
-    if not out:
-        raise ConfigError("no input files given")
-    return out
 
 
 def choose_driver(requested: Optional[str], h5py_has_mpi: bool, world_size: int, in_worker: bool) -> Optional[str]:

@@ -1,0 +1,239 @@
+"""``shard`` one HDF5 file into N balanced files, and ``merge`` shards back into one.
+
+Sample keys (the root ``keys`` attribute of packed files, else every dataset) are split
+along axis 0 with :func:`shard_ranges` (sizes differ by at most one); other datasets are
+copied whole into each shard. Dtypes, chunk shapes (clamped to the shard length), filters
+and attributes are kept. Each shard records where it came from (``shard_index``,
+``num_shards``, ``shard_start``, ``shard_stop``, the parent's checksums and chunks), so
+``merge`` restores the parent bit for bit and checks it against the parent's checksums.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import h5py
+import numpy as np
+
+from hpctrain.data.errors import ChecksumError, ConfigError, DataError, LengthMismatchError, TooFewSamplesError
+from hpctrain.data.h5files import (
+    CHECKSUM_ATTR, atomic_output, chunk_rows_of, creation_kwargs, dataset_names, get_dataset, json_attr,
+    open_h5, progress_bar, read_error, slabs,
+)
+
+SHARD_ATTRS = ("shard_index", "num_shards", "shard_start", "shard_stop", "parent_num_samples",
+               "parent_checksums", "parent_chunks")
+
+
+def shard_ranges(n: int, num_shards: int) -> List[Tuple[int, int]]:
+    """Balanced [start, stop) ranges: the first ``n % num_shards`` get one sample more."""
+    q, r = divmod(n, num_shards)
+    out, start = [], 0
+    for i in range(num_shards):
+        stop = start + q + (1 if i < r else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def sample_keys(f: h5py.File, path: str, keys: Optional[Sequence[str]] = None) -> List[str]:
+    """The datasets that hold one entry per sample: given, the ``keys`` attribute, or all."""
+    if keys:
+        return list(keys)
+    if "keys" in f.attrs:
+        try:
+            return list(json.loads(f.attrs["keys"]))
+        except (TypeError, ValueError):
+            pass
+    names = dataset_names(f)
+    if not names:
+        raise DataError("file holds no datasets", path=path)
+    return names
+
+
+def _lengths(f: h5py.File, path: str, keys: Sequence[str]) -> int:
+    lengths = {k: get_dataset(f, k, path).shape[0] for k in keys}
+    if len(set(lengths.values())) > 1:
+        raise LengthMismatchError(f"keys have different numbers of samples {lengths}; expected equal",
+                                  path=path, key=max(lengths, key=lengths.get),
+                                  hint="pass --keys with the per-sample datasets only")
+    return next(iter(lengths.values()))
+
+
+def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str, bar=None) -> str:
+    """Copy rows [lo, hi) of ``src`` to ``dst[0:hi-lo]`` in chunk-aligned slabs; return sha256."""
+    import hashlib
+
+    h = hashlib.sha256()
+    row = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
+    align = dst.chunks[0] if dst.chunks else 1
+    buf = None
+    for a, b in slabs(hi - lo, row, align=align):
+        if buf is None or buf.shape[0] != b - a:
+            buf = np.empty((b - a,) + src.shape[1:], src.dtype)
+        try:
+            src.read_direct(buf, np.s_[lo + a:lo + b])
+        except Exception as exc:
+            raise read_error(exc, path, src.name.lstrip("/")) from exc
+        dst[a:b] = buf
+        h.update(memoryview(buf).cast("B"))
+        if bar is not None:
+            bar.update(buf.nbytes)
+    return h.hexdigest()
+
+
+def _copy_whole(src: h5py.Dataset, dst_file: h5py.File, name: str) -> None:
+    d = dst_file.create_dataset(name, data=src[()], **{k: v for k, v in creation_kwargs(src).items() if k != "dtype"})
+    d.attrs.update(dict(src.attrs))
+
+
+def shard_name(src: str, index: int, num_shards: int) -> str:
+    return f"{Path(src).stem}-{index:05d}-of-{num_shards:05d}.h5"
+
+
+def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[str]] = None,
+          rank: int = 0, size: int = 1, quiet: bool = False) -> List[str]:
+    """Split ``src`` into ``num_shards`` files in ``out_dir``; rank r of size writes shards r, r+size, ...
+
+    Returns the paths this rank wrote.
+    """
+    if num_shards < 1:
+        raise ConfigError(f"--num-shards must be at least 1, got {num_shards}")
+    os.makedirs(out_dir, exist_ok=True)
+    written: List[str] = []
+    with open_h5(src) as f:
+        keys = sample_keys(f, src, keys)
+        n = _lengths(f, src, keys)
+        if n < num_shards:
+            raise TooFewSamplesError(f"{n} samples cannot fill {num_shards} shards (each needs one)",
+                                     path=src, key=keys[0], hint=f"use --num-shards <= {n}")
+        others = [name for name in dataset_names(f) if name not in keys]
+        parent_sums = {k: f[k].attrs.get(CHECKSUM_ATTR) for k in keys}
+        parent_sums = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in parent_sums.items() if v is not None}
+        parent_chunks = {k: list(f[k].chunks) if f[k].chunks else None for k in keys}
+        ranges = shard_ranges(n, num_shards)
+        mine = list(range(rank, num_shards, size))
+        total = sum((ranges[i][1] - ranges[i][0]) * sum(f[k].dtype.itemsize *
+                    int(np.prod(f[k].shape[1:], dtype=np.int64)) for k in keys) for i in mine)
+        with progress_bar(total, f"shard {Path(src).name}", quiet) as bar:
+            for i in mine:
+                lo, hi = ranges[i]
+                out = os.path.join(out_dir, shard_name(src, i, num_shards))
+                with atomic_output(out) as tmp:
+                    with h5py.File(tmp, "w") as g:
+                        for k in keys:
+                            s = f[k]
+                            d = g.create_dataset(k, shape=(hi - lo,) + s.shape[1:], **creation_kwargs(s, hi - lo))
+                            d.attrs.update(dict(s.attrs))
+                            d.attrs[CHECKSUM_ATTR] = _copy_rows(s, d, lo, hi, src, bar)
+                        for name in others:
+                            _copy_whole(f[name], g, name)
+                        g.attrs.update(dict(f.attrs))
+                        g.attrs.update({
+                            "num_samples": hi - lo, "shard_index": i, "num_shards": num_shards,
+                            "shard_start": lo, "shard_stop": hi, "parent_num_samples": n,
+                            "parent_checksums": json_attr(parent_sums), "parent_chunks": json_attr(parent_chunks),
+                        })
+                        if "keys" not in g.attrs:
+                            g.attrs["keys"] = json_attr(keys)
+                written.append(out)
+    return written
+
+
+def _attr_json(f: h5py.File, name: str, default):
+    try:
+        return json.loads(f.attrs[name]) if name in f.attrs else default
+    except (TypeError, ValueError):
+        return default
+
+
+def order_shards(paths: Sequence[str]) -> List[Tuple[str, Optional[int]]]:
+    """Shards sorted by their recorded index (given order for files without one)."""
+    found = []
+    for p in paths:
+        with open_h5(p) as f:
+            idx = f.attrs.get("shard_index")
+            total = f.attrs.get("num_shards")
+            found.append((p, None if idx is None else int(idx), None if total is None else int(total)))
+    indexed = [x for x in found if x[1] is not None]
+    if indexed and len(indexed) == len(found):
+        totals = {t for _, _, t in found}
+        idxs = sorted(i for _, i, _ in found)
+        if len(totals) != 1 or idxs != list(range(next(iter(totals)))):
+            missing = sorted(set(range(max(totals))) - set(idxs))
+            dup = sorted({i for i in idxs if idxs.count(i) > 1})
+            raise DataError(f"shards do not form one complete set: num_shards {sorted(totals)}, "
+                            f"missing {missing}, duplicated {dup}", path=paths[0],
+                            hint="pass every shard of one `shard` run exactly once")
+        found.sort(key=lambda x: x[1])
+    return [(p, i) for p, i, _ in found]
+
+
+def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = None, quiet: bool = False) -> str:
+    """Concatenate shards (in shard order) into ``out``; check against the parent checksums."""
+    if not paths:
+        raise ConfigError("no shards to merge")
+    ordered = [p for p, _ in order_shards(paths)]
+    files = [open_h5(p) for p in ordered]
+    try:
+        first = files[0]
+        keys = sample_keys(first, ordered[0], keys)
+        counts = [_lengths(f, p, keys) for f, p in zip(files, ordered)]
+        for f, p in zip(files[1:], ordered[1:]):
+            for k in keys:
+                a, b = first[k], get_dataset(f, k, p)
+                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+                    raise LengthMismatchError(f"sample shape {b.shape[1:]} dtype {b.dtype} differs from "
+                                              f"{ordered[0]}'s {a.shape[1:]} {a.dtype}", path=p, key=k)
+        n = sum(counts)
+        parent_sums = _attr_json(first, "parent_checksums", {})
+        parent_chunks = _attr_json(first, "parent_chunks", {})
+        row_bytes = sum(first[k].dtype.itemsize * int(np.prod(first[k].shape[1:], dtype=np.int64)) for k in keys)
+        others = [name for name in dataset_names(first) if name not in keys]
+        with atomic_output(out) as tmp, progress_bar(n * row_bytes, f"merge {Path(out).name}", quiet) as bar:
+            with h5py.File(tmp, "w") as g:
+                for k in keys:
+                    kw = creation_kwargs(first[k], n)
+                    if parent_chunks.get(k):
+                        kw["chunks"] = tuple(parent_chunks[k])
+                    d = g.create_dataset(k, shape=(n,) + first[k].shape[1:], **kw)
+                    d.attrs.update(dict(first[k].attrs))
+                    import hashlib
+
+                    h = hashlib.sha256()
+                    pos = 0
+                    for f, p, c in zip(files, ordered, counts):
+                        _merge_rows(f[k], d, pos, c, p, h, bar)
+                        pos += c
+                    digest = h.hexdigest()
+                    want = parent_sums.get(k)
+                    if want and want != digest:
+                        raise ChecksumError(f"merged data has sha256 {digest[:16]}..., the parent had "
+                                            f"{want[:16]}...; a shard is damaged or from another file",
+                                            path=out, key=k, hint="run `hpctrain data verify` on the shards")
+                    d.attrs[CHECKSUM_ATTR] = want or digest
+                for name in others:
+                    _copy_whole(first[name], g, name)
+                g.attrs.update({a: v for a, v in first.attrs.items() if a not in SHARD_ATTRS})
+                g.attrs["num_samples"] = n
+    finally:
+        for f in files:
+            f.close()
+    return out
+
+
+def _merge_rows(src: h5py.Dataset, dst: h5py.Dataset, pos: int, count: int, path: str, h, bar) -> None:
+    # Write in slabs aligned to the destination's chunks where possible.
+    row = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
+    for a, b in slabs(count, row, align=chunk_rows_of(dst)):
+        buf = np.empty((b - a,) + src.shape[1:], src.dtype)
+        try:
+            src.read_direct(buf, np.s_[a:b])
+        except Exception as exc:
+            raise read_error(exc, path, src.name.lstrip("/")) from exc
+        dst[pos + a:pos + b] = buf
+        h.update(memoryview(buf).cast("B"))
+        if bar is not None:
+            bar.update(buf.nbytes)

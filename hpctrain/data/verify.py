@@ -1,0 +1,234 @@
+"""``inspect`` (what is in these files) and ``verify`` (is it intact and sane).
+
+Both return plain dicts (JSON-ready) and a text rendering; ``verify`` lists *problems*
+(checksum mismatch, unequal key lengths, NaN/Inf, unreadable files, incomplete shard sets)
+and *notes* (e.g. no checksum recorded), and the CLI exits non-zero when there are problems.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import h5py
+import numpy as np
+
+from hpctrain.data.errors import DataError
+from hpctrain.data.h5files import (
+    CHECKSUM_ATTR, NUMERIC_KINDS, chunk_rows_of, dataset_names, open_h5, progress_bar, read_error, slabs,
+)
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _sample_keys(f: h5py.File, names: List[str]) -> List[str]:
+    if "keys" in f.attrs:
+        try:
+            keys = json.loads(f.attrs["keys"])
+            return [k for k in keys if k in names] or names
+        except (TypeError, ValueError):
+            pass
+    return names
+
+
+def inspect_file(path: str) -> Dict[str, Any]:
+    """Keys, shapes, dtypes, chunks, filters, sample count and shard info of one file."""
+    entry: Dict[str, Any] = {"path": path}
+    try:
+        entry["size_bytes"] = os.path.getsize(path) if os.path.exists(path) else None
+        with open_h5(path) as f:
+            names = dataset_names(f)
+            keys = _sample_keys(f, names)
+            entry["attrs"] = {k: _attr(v) for k, v in f.attrs.items()}
+            entry["datasets"] = {}
+            for name in names:
+                d = f[name]
+                entry["datasets"][name] = {
+                    "shape": list(d.shape), "dtype": str(d.dtype), "chunks": list(d.chunks) if d.chunks else None,
+                    "compression": d.compression, "compression_opts": _attr(d.compression_opts),
+                    "shuffle": bool(d.shuffle), "fletcher32": bool(d.fletcher32),
+                    "sha256": _attr(d.attrs.get(CHECKSUM_ATTR)), "sample_key": name in keys,
+                    "storage_bytes": int(d.id.get_storage_size()),
+                }
+            lengths = {k: f[k].shape[0] if f[k].ndim else None for k in keys}
+            entry["sample_keys"] = keys
+            entry["num_samples"] = lengths[keys[0]] if keys and len(set(lengths.values())) == 1 else None
+            if entry["num_samples"] is None and keys:
+                entry["error"] = f"keys have different numbers of samples: {lengths}"
+    except DataError as exc:
+        entry["error"] = str(exc)
+    return entry
+
+
+def inspect_paths(paths: Sequence[str]) -> Dict[str, Any]:
+    files = [inspect_file(p) for p in paths]
+    total = sum(f.get("num_samples") or 0 for f in files)
+    return {"files": files, "num_files": len(files), "num_samples": total,
+            "errors": sum(1 for f in files if "error" in f)}
+
+
+def _mib(n: Optional[int]) -> str:
+    return "?" if n is None else f"{n / 2**20:.1f}"
+
+
+def render_inspect(report: Dict[str, Any]) -> str:
+    lines: List[str] = []
+    for f in report["files"]:
+        lines.append(f"{f['path']}  ({_mib(f.get('size_bytes'))} MiB on disk)")
+        if "error" in f and "datasets" not in f:
+            lines.append(f"  ERROR: {f['error']}")
+            continue
+        lines.append(f"  samples: {f.get('num_samples')}   sample keys: {', '.join(f.get('sample_keys', []))}")
+        a = f.get("attrs", {})
+        if "shard_index" in a:
+            lines.append(f"  shard {a['shard_index']} of {a.get('num_shards')}: rows {a.get('shard_start')}"
+                         f"..{a.get('shard_stop')} of {a.get('parent_num_samples')}")
+        lines.append(f"  {'key':<16} {'shape':<18} {'dtype':<9} {'chunks':<16} {'filters':<22} {'MiB':>8}")
+        for name, d in f.get("datasets", {}).items():
+            filt = [d["compression"] + (f"({d['compression_opts']})" if d["compression_opts"] is not None else "")] \
+                if d["compression"] else []
+            filt += ["shuffle"] * d["shuffle"] + ["fletcher32"] * d["fletcher32"]
+            lines.append(f"  {name:<16} {str(tuple(d['shape'])):<18} {d['dtype']:<9} "
+                         f"{str(tuple(d['chunks'])) if d['chunks'] else 'contiguous':<16} "
+                         f"{','.join(filt) or 'none':<22} {_mib(d['storage_bytes']):>8}")
+        if "error" in f:
+            lines.append(f"  ERROR: {f['error']}")
+    if len(report["files"]) > 1:
+        lines.append("")
+        lines.append(f"{'file':<48} {'samples':>10} {'shard':>9} {'MiB':>9}")
+        for f in report["files"]:
+            a = f.get("attrs", {})
+            sh = f"{a['shard_index']}/{a.get('num_shards')}" if "shard_index" in a else "-"
+            name = os.path.basename(f["path"])
+            lines.append(f"{name:<48} {str(f.get('num_samples')):>10} {sh:>9} {_mib(f.get('size_bytes')):>9}")
+        lines.append(f"{'total':<48} {report['num_samples']:>10} {'':>9} "
+                     f"{_mib(sum(f.get('size_bytes') or 0 for f in report['files'])):>9}")
+    return "\n".join(lines)
+
+
+def verify_file(path: str, keys: Optional[Sequence[str]] = None, bar=None) -> Dict[str, Any]:
+    """Recompute checksums, count NaN/Inf, check lengths; return problems and notes."""
+    problems: List[str] = []
+    notes: List[str] = []
+    per_key: Dict[str, Any] = {}
+    entry = {"path": path, "problems": problems, "notes": notes, "keys": per_key}
+    try:
+        with open_h5(path) as f:
+            names = dataset_names(f)
+            wanted = list(keys) if keys else _sample_keys(f, names)
+            if not names:
+                problems.append("file holds no datasets")
+            lengths = {}
+            for k in wanted:
+                if k not in names:
+                    problems.append(f"key {k!r}: missing (datasets: {', '.join(names) or 'none'})")
+                    continue
+                d = f[k]
+                lengths[k] = d.shape[0] if d.ndim else None
+                per_key[k] = _verify_dataset(d, path, k, problems, notes, bar)
+            if len(set(lengths.values())) > 1:
+                problems.append(f"keys have different numbers of samples: {lengths}")
+            elif lengths and next(iter(lengths.values())) == 0:
+                problems.append("zero samples")
+            recorded = f.attrs.get("num_samples")
+            if recorded is not None and lengths and len(set(lengths.values())) == 1 \
+                    and int(recorded) != next(iter(lengths.values())):
+                problems.append(f"attribute num_samples={int(recorded)} but the keys hold {next(iter(lengths.values()))}")
+            entry["shard"] = ({a: _attr(f.attrs[a]) for a in ("shard_index", "num_shards", "parent_checksums")}
+                              if "shard_index" in f.attrs else None)
+    except DataError as exc:
+        problems.append(str(exc))
+    return entry
+
+
+def _verify_dataset(d: h5py.Dataset, path: str, key: str, problems: List[str], notes: List[str], bar) -> Dict[str, Any]:
+    info: Dict[str, Any] = {"shape": list(d.shape), "dtype": str(d.dtype)}
+    if d.dtype.kind not in NUMERIC_KINDS:
+        problems.append(f"key {key!r}: dtype {d.dtype} is not numeric")
+        return info
+    if d.ndim == 0:
+        problems.append(f"key {key!r}: is a scalar, expected samples along axis 0")
+        return info
+    h = hashlib.sha256()
+    floating = d.dtype.kind in "fc"
+    nan = inf = 0
+    first_bad: Optional[int] = None
+    row = int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize
+    try:
+        for lo, hi in slabs(d.shape[0], row, align=chunk_rows_of(d)):
+            buf = np.empty((hi - lo,) + d.shape[1:], d.dtype)
+            d.read_direct(buf, np.s_[lo:hi])
+            h.update(memoryview(buf).cast("B"))
+            if floating:
+                isnan, isinf = np.isnan(buf), np.isinf(buf)
+                n1, n2 = int(isnan.sum()), int(isinf.sum())
+                if (n1 or n2) and first_bad is None:
+                    bad = (isnan | isinf).reshape(hi - lo, -1).any(axis=1)
+                    first_bad = lo + int(np.argmax(bad))
+                nan, inf = nan + n1, inf + n2
+            if bar is not None:
+                bar.update(buf.nbytes)
+    except Exception as exc:  # noqa: BLE001 - a damaged chunk is a finding, not a crash
+        problems.append(str(read_error(exc, path, key)))
+        info["readable"] = False
+        return info
+    digest = h.hexdigest()
+    info.update(sha256=digest, nan=nan, inf=inf)
+    stored = _attr(d.attrs.get(CHECKSUM_ATTR))
+    if stored is None:
+        notes.append(f"key {key!r}: no checksum recorded (sha256 {digest[:16]}...)")
+        info["checksum"] = "none"
+    elif stored != digest:
+        problems.append(f"key {key!r}: checksum mismatch: recorded {stored[:16]}..., data has {digest[:16]}...")
+        info["checksum"] = "mismatch"
+    else:
+        info["checksum"] = "ok"
+    if nan or inf:
+        problems.append(f"key {key!r}: {nan} NaN and {inf} Inf values (first in sample {first_bad})")
+    return info
+
+
+def verify_paths(paths: Sequence[str], keys: Optional[Sequence[str]] = None, quiet: bool = False) -> Dict[str, Any]:
+    total = 0
+    for p in paths:
+        try:
+            total += os.path.getsize(p)
+        except OSError:
+            pass
+    with progress_bar(total, "verify", quiet) as bar:
+        files = [verify_file(p, keys, bar) for p in paths]
+    report: Dict[str, Any] = {"files": files, "problems": []}
+    shards = [f["shard"] for f in files if f.get("shard")]
+    if shards and len(shards) == len(files) and len(files) > 1:
+        totals = {s["num_shards"] for s in shards}
+        idx = sorted(s["shard_index"] for s in shards)
+        if len(totals) == 1 and idx != list(range(next(iter(totals)))):
+            missing = sorted(set(range(next(iter(totals)))) - set(idx))
+            report["problems"].append(f"shard set incomplete: {len(idx)} of {next(iter(totals))} shards given, "
+                                      f"missing {missing}")
+    report["ok"] = not report["problems"] and not any(f["problems"] for f in files)
+    return report
+
+
+def render_verify(report: Dict[str, Any]) -> str:
+    lines: List[str] = []
+    for f in report["files"]:
+        status = "OK" if not f["problems"] else "PROBLEMS"
+        lines.append(f"{f['path']}: {status}")
+        for k, info in f["keys"].items():
+            if "sha256" in info:
+                lines.append(f"  {k:<16} checksum {info['checksum']:<8} NaN {info['nan']:<6} Inf {info['inf']}")
+        lines += [f"  problem: {p}" for p in f["problems"]]
+        lines += [f"  note: {n}" for n in f["notes"]]
+    lines += [f"problem: {p}" for p in report["problems"]]
+    lines.append("all files OK" if report["ok"] else "verification FAILED")
+    return "\n".join(lines)
