@@ -1,0 +1,709 @@
+"""Horovod's collective operations on torch tensors, on top of :mod:`hpctrain.comm`.
+
+Names, arguments and results follow ``horovod.torch`` (docs/api.rst): ``allreduce`` returns a
+new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``synchronize`` /
+``poll``. Differences, all documented in docs/torch.md:
+
+- ``name=`` is accepted and used in error messages only: collectives are matched by submission
+  order (every rank must issue the same collectives in the same order), not by name.
+- ``op=Adasum`` raises NotImplementedError.
+- ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
+  while a rank has joined.
+- ``allgather``/``broadcast``/``alltoall``/``reducescatter`` "async" variants run when called
+  and return a finished handle.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from hpctrain import comm
+
+from . import staging
+from .compression import Compression, Compressor
+
+__all__ = [
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "HpctrainNotInitialized", "Handle", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "mpi_threads_supported", "start_timeline", "stop_timeline",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "synchronize", "poll", "join", "barrier",
+]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operations, numbered as in Horovod."""
+
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average = ReduceOp.Average
+Sum = ReduceOp.Sum
+Adasum = ReduceOp.Adasum
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+_COMM_OPS = {ReduceOp.Average: "avg", ReduceOp.Sum: "sum", ReduceOp.Min: "min",
+             ReduceOp.Max: "max", ReduceOp.Product: "prod"}
+
+
+class HpctrainNotInitialized(ValueError):
+    """An hpctrain.torch function was called before ``hvd.init()``."""
+
+
+def _require_init(what: str) -> None:
+    if not comm.is_initialized():
+        raise HpctrainNotInitialized(
+            f"{what}: hpctrain.torch has not been initialized.\n"
+            "HINT: call hvd.init() (import hpctrain.torch as hvd) at the top of the script, "
+            "before creating the DistributedOptimizer or calling any collective.")
+
+
+# --------------------------------------------------------------------------- process sets
+class ProcessSet:
+    """A subset of ranks that runs collectives together (Horovod's ``hvd.ProcessSet``).
+
+    ``ProcessSet([0, 2])`` describes the ranks; ``add_process_set`` (called on every rank)
+    creates the communicator. ``global_process_set`` is all ranks.
+    """
+
+    def __init__(self, ranks: Optional[Sequence[int]] = None) -> None:
+        self.ranks: Optional[List[int]] = None if ranks is None else sorted(int(r) for r in ranks)
+        self._group: Any = None
+        self._registered = ranks is None
+        self.process_set_id: Optional[int] = 0 if ranks is None else None
+
+    def _resolve(self) -> Any:
+        if self.ranks is None:
+            return None  # world
+        if not self._registered:
+            raise ValueError(f"process set {self.ranks} is not registered.\n"
+                             "HINT: call hvd.add_process_set(process_set) on every rank first")
+        if self._group is None:
+            raise ValueError(f"this rank ({comm.rank()}) is not in process set {self.ranks}; "
+                             "only its members may run collectives on it")
+        return self._group
+
+    def included(self) -> bool:
+        """True when this rank belongs to the set."""
+        return self.ranks is None or comm.rank() in self.ranks
+
+    def rank(self) -> int:
+        """This rank's position in the set."""
+        return comm.rank() if self.ranks is None else self._resolve().rank
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        return comm.size() if self.ranks is None else len(self.ranks)
+
+    def __repr__(self) -> str:
+        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+
+
+global_process_set = ProcessSet(None)
+_process_sets: List[ProcessSet] = [global_process_set]
+
+
+def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
+    """Create the communicator for a process set; every rank must call it, in the same order."""
+    _require_init("add_process_set")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None:
+        raise ValueError("the global process set exists already")
+    bad = [r for r in ps.ranks if not 0 <= r < comm.size()]
+    if bad:
+        raise ValueError(f"process set ranks {bad} outside 0..{comm.size() - 1}")
+    ps._group = comm.new_group(ps.ranks)
+    ps._registered = True
+    ps.process_set_id = len(_process_sets)
+    _process_sets.append(ps)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Forget a process set (every rank must call it). Returns True when it was registered."""
+    if process_set in _process_sets and process_set.ranks is not None:
+        _process_sets.remove(process_set)
+        process_set._registered = False
+        process_set._group = None
+        return True
+    return False
+
+
+def _group(process_set: Optional[ProcessSet]) -> Any:
+    return (process_set or global_process_set)._resolve()
+
+
+def _group_size(process_set: Optional[ProcessSet]) -> int:
+    return (process_set or global_process_set).size()
+
+
+# --------------------------------------------------------------------------- basics
+def init(comm_: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+    """Start MPI (idempotent). ``process_sets``: sets to register right away."""
+    if comm_ is not None:
+        raise NotImplementedError(
+            "hvd.init(comm=...) with a custom communicator is not supported; hpctrain always "
+            "starts on MPI_COMM_WORLD.\nHINT: call hvd.init() and use hvd.add_process_set(ranks) "
+            "for collectives over a subset of ranks")
+    comm.init()
+    for ps in process_sets or ():
+        if not ps._registered:
+            add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Wait for pending collectives and release hpctrain's communicators."""
+    from . import backends
+
+    backends.shutdown_backends()
+    del _process_sets[1:]
+    comm.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return comm.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the world (0 .. size-1)."""
+    _require_init("hvd.rank()")
+    return comm.rank()
+
+
+def size() -> int:
+    """Number of processes."""
+    _require_init("hvd.size()")
+    return comm.size()
+
+
+def local_rank() -> int:
+    """Rank among the processes on this node."""
+    _require_init("hvd.local_rank()")
+    return comm.local_rank()
+
+
+def local_size() -> int:
+    """Number of processes on this node."""
+    _require_init("hvd.local_size()")
+    return comm.local_size()
+
+
+def cross_rank() -> int:
+    """Index of this node among the nodes."""
+    _require_init("hvd.cross_rank()")
+    return comm.cross_rank()
+
+
+def cross_size() -> int:
+    """Number of nodes."""
+    _require_init("hvd.cross_size()")
+    return comm.cross_size()
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of processes."""
+    _require_init("hvd.is_homogeneous()")
+    sizes = comm.allgather_object(comm.local_size())
+    return len(set(sizes)) == 1
+
+
+def mpi_enabled() -> bool:
+    """True: hpctrain always communicates through MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """True: hpctrain is built on MPI (mpi4py)."""
+    return True
+
+
+def gloo_built() -> bool:
+    """True when torch.distributed has Gloo (usable with ``backend="gloo"``)."""
+    return bool(torch.distributed.is_available() and torch.distributed.is_gloo_available())
+
+
+def gloo_enabled() -> bool:
+    """Same as :func:`gloo_built`: Gloo is bootstrapped on demand through MPI."""
+    return gloo_built()
+
+
+def nccl_built() -> bool:
+    """True when torch.distributed has NCCL (usable with ``backend="nccl"``)."""
+    return bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
+
+
+def ddl_built() -> bool:
+    """False: IBM DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: oneCCL is not supported."""
+    return False
+
+
+def cuda_built() -> bool:
+    """True when PyTorch has CUDA; CUDA tensors are staged through host memory unless MPI is CUDA-aware."""
+    return torch.cuda.is_available()
+
+
+def rocm_built() -> bool:
+    """False."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """True when MPI runs with MPI_THREAD_MULTIPLE."""
+    _require_init("hvd.mpi_threads_supported()")
+    return bool(comm.mpi_threads_supported())
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Accepted for compatibility; hpctrain records timing with ``hpctrain bench`` instead."""
+
+
+def stop_timeline() -> None:
+    """Accepted for compatibility (see :func:`start_timeline`)."""
+
+
+# --------------------------------------------------------------------------- handles
+class Handle:
+    """Handle of an asynchronous operation: pass it to :func:`synchronize` or :func:`poll`."""
+
+    __slots__ = ("_inner", "_finish", "_result", "_finished", "name")
+
+    def __init__(self, inner: Any = None, finish: Optional[Callable[[Any], Any]] = None,
+                 result: Any = None, name: str = "") -> None:
+        self._inner = inner
+        self._finish = finish
+        self._result = result
+        self._finished = inner is None and finish is None
+        self.name = name
+
+    def done(self) -> bool:
+        """True when the operation has completed (``synchronize`` will not block)."""
+        return self._finished or self._inner is None or self._inner.done()
+
+    def wait(self) -> Any:
+        """Block until the operation is done; return its result."""
+        if not self._finished:
+            raw = self._inner.wait() if self._inner is not None else None
+            self._result = self._finish(raw) if self._finish is not None else raw
+            self._finished = True
+            self._inner = None
+        return self._result
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous operation and return its output tensor."""
+    if not isinstance(handle, Handle):
+        raise ValueError(f"synchronize() expects a handle returned by an *_async function, got {type(handle).__name__}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True when the asynchronous operation behind ``handle`` has finished."""
+    if not isinstance(handle, Handle):
+        raise ValueError(f"poll() expects a handle returned by an *_async function, got {type(handle).__name__}")
+    return handle.done()
+
+
+# --------------------------------------------------------------------------- allreduce
+def _resolve_op(average: Optional[bool], op: Optional[int]) -> ReduceOp:
+    if average is not None:
+        if op is not None:
+            raise ValueError("give either op= or the deprecated average=, not both")
+        return ReduceOp.Average if average else ReduceOp.Sum
+    if op is None:
+        return ReduceOp.Average
+    try:
+        op = ReduceOp(int(op))
+    except ValueError:
+        raise ValueError(f"unknown reduction op {op!r}; expected one of hvd.Average, Sum, Min, Max, Product") from None
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError(
+            "op=hvd.Adasum is not implemented in hpctrain.\n"
+            "HINT: use op=hvd.Average (the default) and scale the learning rate with hvd.size()")
+    return op
+
+
+def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise ValueError(f"{what}: sparse tensors are not supported here; "
+                         "HINT: call .to_dense() first, or use DistributedOptimizer(sparse_as_dense=True)")
+    return tensor
+
+
+def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+                     compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
+                     name: str) -> Handle:
+    """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor."""
+    group = _group(process_set)
+    n = _group_size(process_set)
+    host, restore = staging.to_host(tensor)
+    wire, ctx = compression.compress(host)
+    # The wire buffer is always ours to overwrite: a fresh contiguous copy unless compression
+    # already made a new tensor.
+    if wire is not host:
+        buf = wire.contiguous()
+    elif out is not None and host.is_contiguous() and host.data_ptr() == out.data_ptr():
+        buf = host  # in place on the caller's CPU tensor: no copy at all
+    else:
+        buf = host.contiguous().clone()
+    scaled = prescale != 1.0 or postscale != 1.0
+    if prescale != 1.0:
+        buf.mul_(prescale)
+    comm_op = "sum" if (op == ReduceOp.Average and scaled) else _COMM_OPS[op]
+    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True)
+
+    def finish(_: Any) -> torch.Tensor:
+        factor = postscale / n if (op == ReduceOp.Average and scaled) else postscale
+        if factor != 1.0:
+            if buf.dtype.is_floating_point:
+                buf.mul_(factor)
+            else:
+                buf.copy_((buf.double() * factor).to(buf.dtype))
+        result = restore(compression.decompress(buf, ctx))
+        if out is not None:
+            if result.data_ptr() != out.data_ptr():
+                out.copy_(result.view_as(out))
+            return out
+        return result.view(tensor.shape)
+
+    return Handle(inner, finish, name=name)
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale, compression, process_set, name):  # type: ignore[override]
+        ctx.args = (op, prescale, postscale, process_set)
+        return _allreduce_start(tensor.detach(), op, prescale, postscale, compression, process_set, None, name).wait()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        op, prescale, postscale, process_set = ctx.args
+        if op not in (ReduceOp.Average, ReduceOp.Sum):
+            raise RuntimeError("gradients of hvd.allreduce are defined for op=Average and op=Sum only")
+        g = _allreduce_start(grad.contiguous(), op, prescale, postscale, Compression.none, process_set,
+                             None, "allreduce.grad").wait()
+        return g, None, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Any = Compression.none, op: Optional[int] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return the result as a new tensor (differentiable).
+
+    ``op``: Average (default), Sum, Min, Max, Product. ``prescale_factor`` multiplies the input
+    before the reduction, ``postscale_factor`` the result after it. ``compression`` changes the
+    dtype on the wire (``Compression.fp16`` / ``.bf16``).
+    """
+    _require_init("hvd.allreduce")
+    _check_tensor(tensor, "allreduce")
+    op = _resolve_op(average, op)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set, name or "")
+    return _allreduce_start(tensor, op, prescale_factor, postscale_factor, compression, process_set,
+                            None, name or "allreduce").wait()
+
+
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set,
+                    compression: Any = Compression.none) -> Handle:
+    """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
+    _require_init("hvd.allreduce_async")
+    _check_tensor(tensor, "allreduce_async")
+    return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
+                            compression, process_set, None, name or "allreduce")
+
+
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place :func:`allreduce`: ``tensor`` holds the result; returns it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
+    _require_init("hvd.allreduce_async_")
+    _check_tensor(tensor, "allreduce_async_")
+    return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
+                            Compression.none, process_set, tensor.detach(), name or "allreduce_")
+
+
+def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
+                   compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str) -> Handle:
+    tensors = [_check_tensor(t, "grouped_allreduce").detach() for t in tensors]
+    # One fused buffer per dtype, in first-seen order (identical on every rank for identical input).
+    order: List[torch.dtype] = []
+    for t in tensors:
+        if t.dtype not in order:
+            order.append(t.dtype)
+    parts = []
+    for dtype in order:
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in members]) if members else None
+        parts.append((members, _allreduce_start(flat, op, prescale, postscale, compression, process_set, None, name)))
+
+    def finish(_: Any) -> List[torch.Tensor]:
+        results: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        for members, handle in parts:
+            flat = handle.wait()
+            offset = 0
+            for i in members:
+                n = tensors[i].numel()
+                piece = flat[offset:offset + n].view(tensors[i].shape)
+                offset += n
+                if inplace:
+                    tensors[i].copy_(piece)
+                    results[i] = tensors[i]
+                else:
+                    results[i] = piece.clone()
+        return results  # type: ignore[return-value]
+
+    return Handle(None, finish, name=name)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                      compression: Any = Compression.none, op: Optional[int] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """All-reduce a list of tensors as one fused operation; returns new tensors."""
+    _require_init("hvd.grouped_allreduce")
+    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
+                          compression, process_set, False, name or "grouped_allreduce").wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[int] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start :func:`grouped_allreduce`; ``synchronize`` returns the list of new tensors."""
+    _require_init("hvd.grouped_allreduce_async")
+    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
+                          Compression.none, process_set, False, name or "grouped_allreduce")
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                       op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """In-place :func:`grouped_allreduce`; returns the same tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[int] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an in-place grouped all-reduce."""
+    _require_init("hvd.grouped_allreduce_async_")
+    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
+                          Compression.none, process_set, True, name or "grouped_allreduce_")
+
+
+# --------------------------------------------------------------------------- allgather
+def _allgather_raw(tensor: torch.Tensor, process_set: Optional[ProcessSet]) -> torch.Tensor:
+    host, restore = staging.to_host(tensor.detach())
+    if host.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
+    return restore(comm.allgather(host.contiguous(), group=_group(process_set)))
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, process_set):  # type: ignore[override]
+        ctx.process_set = process_set
+        ctx.dim0 = tensor.shape[0]
+        return _allgather_raw(tensor, process_set)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ps = ctx.process_set
+        summed = _allreduce_start(grad.contiguous(), ReduceOp.Sum, 1.0, 1.0, Compression.none, ps, None,
+                                  "allgather.grad").wait()
+        dims = comm.allgather_object(ctx.dim0, group=_group(ps))
+        me = (ps or global_process_set).rank()
+        start = sum(dims[:me])
+        return summed[start:start + dims[me]], None
+
+
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` on dim 0 (dim 0 may differ per rank); differentiable."""
+    _require_init("hvd.allgather")
+    _check_tensor(tensor, "allgather")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllgatherFn.apply(tensor, process_set)
+    return _allgather_raw(tensor, process_set)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """:func:`allgather` behind a handle (runs when called)."""
+    return Handle(result=allgather(tensor.detach(), name, process_set), name=name or "allgather")
+
+
+# --------------------------------------------------------------------------- broadcast
+def _broadcast_raw(tensor: torch.Tensor, root_rank: int, process_set: Optional[ProcessSet]) -> torch.Tensor:
+    n = _group_size(process_set)
+    if not 0 <= int(root_rank) < n:
+        raise ValueError(f"root_rank={root_rank} is outside 0..{n - 1}")
+    host, restore = staging.to_host(tensor.detach())
+    return restore(comm.broadcast(host.contiguous(), root=int(root_rank), group=_group(process_set))).view(tensor.shape)
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, process_set):  # type: ignore[override]
+        ctx.root, ctx.process_set = root_rank, process_set
+        return _broadcast_raw(tensor, root_rank, process_set)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        summed = _allreduce_start(grad.contiguous(), ReduceOp.Sum, 1.0, 1.0, Compression.none,
+                                  ctx.process_set, None, "broadcast.grad").wait()
+        if (ctx.process_set or global_process_set).rank() != ctx.root:
+            summed = torch.zeros_like(summed)
+        return summed, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable)."""
+    _require_init("hvd.broadcast")
+    _check_tensor(tensor, "broadcast")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _BroadcastFn.apply(tensor, root_rank, process_set)
+    return _broadcast_raw(tensor, root_rank, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place broadcast: ``tensor`` takes ``root_rank``'s values; returns it."""
+    _require_init("hvd.broadcast_")
+    _check_tensor(tensor, "broadcast_")
+    with torch.no_grad():
+        tensor.copy_(_broadcast_raw(tensor, root_rank, process_set))
+    return tensor
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """:func:`broadcast` behind a handle (runs when called)."""
+    return Handle(result=broadcast(tensor.detach(), root_rank, name, process_set), name=name or "broadcast")
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """:func:`broadcast_` behind a handle (runs when called)."""
+    return Handle(result=broadcast_(tensor, root_rank, name, process_set), name=name or "broadcast_")
+
+
+# --------------------------------------------------------------------------- alltoall, reducescatter
+def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
+             name: Optional[str] = None, process_set: ProcessSet = global_process_set
+             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Send ``splits[i]`` rows of dim 0 to rank i (even split when None); return the rows
+    received, concatenated in rank order — and, when ``splits`` is given, the received splits."""
+    _require_init("hvd.alltoall")
+    _check_tensor(tensor, "alltoall")
+    n = _group_size(process_set)
+    if splits is None:
+        if tensor.dim() == 0 or tensor.shape[0] % n:
+            raise ValueError(f"alltoall without splits needs dim 0 ({tuple(tensor.shape)[:1]}) divisible by "
+                             f"the number of ranks ({n}).\nHINT: pass splits=[rows for rank 0, rows for rank 1, ...]")
+        split_list = None
+    else:
+        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+            raise ValueError(f"alltoall splits {split_list}: expected {n} non-negative counts summing to "
+                             f"dim 0 of the tensor ({tensor.shape[0]})")
+    host, restore = staging.to_host(tensor.detach())
+    out, received = comm.alltoall(host.contiguous(), splits=split_list, group=_group(process_set))
+    out = restore(out)
+    if splits is None:
+        return out
+    return out, torch.as_tensor(list(received), dtype=torch.int32)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
+                   name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Handle:
+    """:func:`alltoall` behind a handle (runs when called)."""
+    return Handle(result=alltoall(tensor, splits, name, process_set), name=name or "alltoall")
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
+                  op: Optional[int] = None, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's rows of dim 0 (the first
+    ``dim0 % size`` ranks get one row more). ``op``: Average (default) or Sum."""
+    _require_init("hvd.reducescatter")
+    _check_tensor(tensor, "reducescatter")
+    op = _resolve_op(None, op)
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"reducescatter supports op=Average and op=Sum, got {op.name}")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    n = _group_size(process_set)
+    host, restore = staging.to_host(tensor.detach())
+    wire, ctx = compression.compress(host)
+    buf = wire.contiguous().clone()
+    if prescale_factor != 1.0:
+        buf.mul_(prescale_factor)
+    part = comm.reduce_scatter(buf, op="sum", group=_group(process_set))
+    factor = postscale_factor / n if op == ReduceOp.Average else postscale_factor
+    if factor != 1.0:
+        part = part * factor if part.dtype.is_floating_point else (part.double() * factor).to(part.dtype)
+    return restore(compression.decompress(part, ctx))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
+                        op: Optional[int] = None, process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """:func:`reducescatter` behind a handle (runs when called)."""
+    return Handle(result=reducescatter(tensor, name, compression, op, process_set, prescale_factor,
+                                       postscale_factor), name=name or "reducescatter")
+
+
+# --------------------------------------------------------------------------- join, barrier
+def join(device: int = -1) -> int:
+    """Wait until every rank has called ``join()``; return the rank that arrived last.
+
+    Unlike Horovod, ranks that joined do not take part in other ranks' later all-reduces: give
+    every rank the same number of batches (``DistributedSampler`` does) and call ``join()``
+    at the end on every rank.
+    """
+    _require_init("hvd.join")
+    arrived = comm.allgather_object(time.time())
+    return max(range(len(arrived)), key=lambda r: (arrived[r], r))
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of ``process_set`` has reached the barrier."""
+    _require_init("hvd.barrier")
+    comm.barrier(group=_group(process_set))
