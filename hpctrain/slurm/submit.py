@@ -1,0 +1,139 @@
+"""Submit scripts with ``sbatch`` and follow jobs with ``squeue``/``scontrol``.
+
+The only module of ``hpctrain.slurm`` that runs SLURM commands; the parsing it needs
+(:func:`parse_job_id`, :func:`parse_scontrol_show_job`) is pure and unit-tested.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Sequence
+
+__all__ = [
+    "SubmitError",
+    "parse_job_id",
+    "parse_scontrol_show_job",
+    "sbatch",
+    "job_state",
+    "job_info",
+    "wait_for_job",
+    "FINAL_STATES",
+]
+
+# Job states after which a job (or this run of it) does not change any more.
+FINAL_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+     "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+)
+
+_SUBMITTED = re.compile(r"Submitted batch job (\d+)")
+_PARSABLE = re.compile(r"^(\d+)(?:;\S+)?$")
+
+
+class SubmitError(RuntimeError):
+    """sbatch is missing or refused the script; the message carries its output."""
+
+
+def parse_job_id(output: str) -> int:
+    """The job id in sbatch's output: ``Submitted batch job 42`` or ``--parsable``'s ``42;cluster``."""
+    m = _SUBMITTED.search(output)
+    if m:
+        return int(m.group(1))
+    for line in output.splitlines():
+        m = _PARSABLE.match(line.strip())
+        if m:
+            return int(m.group(1))
+    raise SubmitError(f"no job id in sbatch's output: {output.strip()!r}")
+
+
+def parse_scontrol_show_job(text: str) -> Dict[str, str]:
+    """``scontrol show job ID`` (or ``-o`` one-line) output as a dict of its Key=Value pairs.
+
+    Values may contain spaces only for the last keys on a line (``Command=``, ``WorkDir=``,
+    ``StdOut=`` are alone on their lines in the multi-line form), which this keeps whole.
+    """
+    info: Dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        # keys start at line start or after a space: Word=...
+        spans = [m.start() for m in re.finditer(r"(?:(?<=\s)|^)[A-Za-z][A-Za-z0-9_:/]*=", line)]
+        for i, start in enumerate(spans):
+            end = spans[i + 1] if i + 1 < len(spans) else len(line)
+            key, _, value = line[start:end].strip().partition("=")
+            info[key] = value
+    return info
+
+
+def _require(tool: str) -> str:
+    path = shutil.which(tool)
+    if not path:
+        raise SubmitError(
+            f"{tool} not found on PATH; this machine is not a SLURM submit host.\n"
+            "HINT: run on the cluster's login node, or start a local test cluster with "
+            "`sudo slurm/local-cluster.sh start`"
+        )
+    return path
+
+
+def sbatch(
+    script: Path,
+    args: Sequence[str] = (),
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[Path] = None,
+    timeout: float = 60,
+) -> int:
+    """``sbatch [args] SCRIPT``; returns the job id. Raises SubmitError with sbatch's message."""
+    exe = _require("sbatch")
+    try:
+        done = subprocess.run(
+            [exe, *args, str(script)], capture_output=True, text=True, env=None if env is None else dict(env),
+            cwd=None if cwd is None else str(cwd), timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"sbatch did not answer within {timeout:.0f} s; is slurmctld up? (sinfo)") from None
+    if done.returncode != 0:
+        raise SubmitError(
+            f"sbatch refused {script} (exit {done.returncode}): {(done.stderr or done.stdout).strip()}"
+        )
+    return parse_job_id(done.stdout)
+
+
+def job_info(job_id: int) -> Dict[str, str]:
+    """``scontrol show job`` as a dict; empty when SLURM no longer knows the job."""
+    done = subprocess.run(
+        [_require("scontrol"), "show", "job", str(job_id)], capture_output=True, text=True, timeout=30
+    )
+    return parse_scontrol_show_job(done.stdout) if done.returncode == 0 else {}
+
+
+def job_state(job_id: int) -> Optional[str]:
+    """The job's state (PENDING, RUNNING, COMPLETED, …), or None when SLURM forgot it."""
+    done = subprocess.run(
+        [_require("squeue"), "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=30
+    )
+    state = done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else ""
+    if state:
+        return state
+    return job_info(job_id).get("JobState")
+
+
+def wait_for_job(job_id: int, timeout: float = 300, poll: float = 0.5) -> Dict[str, str]:
+    """Poll until the job leaves the queue; return ``scontrol show job``'s final record.
+
+    (``sbatch --wait`` polls at 2 s, then 10 s, then 32 s; this polls every ``poll`` s.)
+    Raises TimeoutError (naming the last state) when it is still queued after ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    state: Optional[str] = None
+    while time.monotonic() < deadline:
+        done = subprocess.run(
+            [_require("squeue"), "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=30
+        )
+        state = done.stdout.strip()
+        if done.returncode != 0 or not state:
+            return job_info(job_id)
+        time.sleep(poll)
+    raise TimeoutError(f"job {job_id} still {state or 'queued'} after {timeout:.0f} s")
