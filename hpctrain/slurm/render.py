@@ -145,7 +145,11 @@ class JobSpec:
                 "no command to run; put it after `--`, e.g. "
                 "hpctrain slurm render cpu-mpi -- python -m hpctrain.cli.main selfcheck"
             )
+        if any("\x00" in w for w in self.command):
+            raise ValueError("the command contains a NUL character, which no program argument can hold")
         for f in fields(self):
+            if f.name == "command":
+                continue  # quoted into the script body, where newlines are safe inside quotes
             value = getattr(self, f.name)
             for item in _strings(value):
                 if _CONTROL.search(item):
