@@ -1,0 +1,263 @@
+"""HDF5 loader benchmark: hpctrain's loader against (a) a raw sequential read of the same
+bytes in 64 MiB slabs -- the limit -- and (b) naive per-sample ``dset[i]``, uncompressed and
+lzf-compressed, in one run.
+
+A file of --size bytes (x: float32 rows of --features values, y: int64 labels; chunks of
+--chunk-rows rows) is generated once per compression under --dir and reused. Before timing,
+one raw pass puts the file in the page cache, so all methods read from memory ("cached").
+The loader runs one shuffled epoch (contiguous policy, drop_last). Per-sample ``dset[i]`` in
+random order runs for --naive-seconds and is extrapolated. Each figure is the median of
+--repeats, with the competitors' order rotated per repeat. Under mpiexec every rank reads its
+share (raw: a contiguous 1/size of the rows) and samples/s are totals over ranks.
+
+Targets: loader >= 90% of the raw slab rate, >= 20x naive dset[i].
+
+  hpctrain bench data --size 1GiB
+  hpctrain launch -n 2 -- hpctrain bench data --size 1GiB --json data.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+
+DEFAULT_DIR = "/tmp/hpctrain-bench-data"
+TARGET_RAW = 0.90
+TARGET_NAIVE = 20.0
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGIB")
+    unit = t[len(num):]
+    if unit not in units or not num:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; examples: 1GiB, 512MiB, 2GB")
+    return int(float(num) * units[unit])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="file size (default 1GiB)")
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"where the generated files live (default {DEFAULT_DIR})")
+    p.add_argument("--compressions", default="none,lzf", help="comma list of none, lzf, gzip (default none,lzf)")
+    p.add_argument("--features", type=int, default=256, help="float32 values per sample (default 256 = 1 KiB)")
+    p.add_argument("--chunk-rows", type=int, default=1024, help="samples per HDF5 chunk (default 1024)")
+    p.add_argument("--batch-size", type=int, default=512, help="loader batch size per rank (default 512)")
+    p.add_argument("--prefetch", type=int, default=1, help="loader windows read ahead (default 1)")
+    p.add_argument("--naive-seconds", type=float, default=1.5, help="time budget of the dset[i] run (default 1.5)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per method; the median is shown (default 3)")
+    p.add_argument("--regenerate", action="store_true", help="rewrite the files even if present")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the results as JSON to PATH (stdout without PATH)")
+
+
+def bench_file(directory: str, size: int, compression: str, features: int, chunk_rows: int,
+               regenerate: bool = False) -> Tuple[str, float]:
+    """Create (or reuse) the benchmark file; return its path and the seconds spent creating it."""
+    import h5py
+
+    from hpctrain.data.h5files import atomic_output
+
+    os.makedirs(directory, exist_ok=True)
+    row = features * 4 + 8
+    n = max(chunk_rows, size // row // chunk_rows * chunk_rows)
+    path = os.path.join(directory, f"bench-{n}x{features}-c{chunk_rows}-{compression}.h5")
+    if os.path.exists(path) and not regenerate:
+        try:
+            with h5py.File(path, "r") as f:
+                if f.attrs.get("complete") and f["x"].shape == (n, features):
+                    return path, 0.0
+        except OSError:
+            pass
+    t0 = time.perf_counter()
+    filters = {} if compression == "none" else {"compression": compression}
+    # Small integers as float32: realistic, partly compressible (lzf ~2x), fast to make.
+    rng = np.random.default_rng(0)
+    slab_rows = max(chunk_rows, (64 << 20) // (features * 4) // chunk_rows * chunk_rows)
+    pattern = rng.integers(0, 200, size=(slab_rows, features)).astype(np.float32)
+    with atomic_output(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            x = f.create_dataset("x", shape=(n, features), dtype=np.float32, chunks=(chunk_rows, features), **filters)
+            y = f.create_dataset("y", shape=(n,), dtype=np.int64, chunks=(chunk_rows,), **filters)
+            for lo in range(0, n, slab_rows):
+                hi = min(n, lo + slab_rows)
+                x[lo:hi] = pattern[: hi - lo]
+                y[lo:hi] = np.arange(lo, hi, dtype=np.int64) % 10
+            f.attrs["complete"] = True
+    return path, time.perf_counter() - t0
+
+
+def raw_read(path: str, lo: int, hi: int) -> int:
+    """Sequential 64 MiB slab reads of rows [lo, hi) of x and y into preallocated buffers."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        x, y = f["x"], f["y"]
+        row = x.shape[1] * 4 + 8
+        rows = max(1, (64 << 20) // row // x.chunks[0] * x.chunks[0])
+        bx = np.empty((rows, x.shape[1]), np.float32)
+        by = np.empty(rows, np.int64)
+        for a in range(lo, hi, rows):
+            b = min(hi, a + rows)
+            x.read_direct(bx, np.s_[a:b], np.s_[0:b - a])
+            y.read_direct(by, np.s_[a:b], np.s_[0:b - a])
+    return hi - lo
+
+
+def naive_read(path: str, lo: int, hi: int, seconds: float) -> Tuple[int, float]:
+    """Per-sample ``x[i], y[i]`` in random order for about ``seconds``: (samples, seconds)."""
+    import h5py
+
+    order = np.random.default_rng(1).permutation(np.arange(lo, hi))
+    with h5py.File(path, "r") as f:
+        x, y = f["x"], f["y"]
+        done = 0
+        t0 = time.perf_counter()
+        while done < len(order):
+            for i in order[done:done + 64]:
+                x[i]
+                y[i]
+            done = min(len(order), done + 64)
+            if time.perf_counter() - t0 >= seconds:
+                break
+        return done, time.perf_counter() - t0
+
+
+def loader_read(path: str, rank: int, size: int, batch: int, prefetch: int, epoch: int) -> int:
+    from hpctrain.data.loader import HDF5Dataset
+
+    ds = HDF5Dataset(path, ["x", "y"], batch, rank=rank, world_size=size, seed=0, drop_last=True,
+                     prefetch=prefetch)
+    ds.set_epoch(epoch)
+    count = 0
+    for b in ds:
+        count += b["x"].shape[0]
+    ds.close()
+    return count
+
+
+class World:
+    """Rank/size and timing across ranks (a single process without a launcher)."""
+
+    def __init__(self) -> None:
+        from hpctrain.comm.launcher import detect_launcher
+
+        self.comm = None
+        self.rank, self.size = 0, 1
+        if detect_launcher(os.environ) != "none":
+            from hpctrain import comm
+
+            comm.init()
+            self.comm = comm
+            self.rank, self.size = comm.rank(), comm.size()
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.barrier()
+
+    def total_rate(self, samples: int, seconds: float) -> float:
+        """Samples/s of all ranks together: total samples over the slowest rank's time."""
+        if self.comm is None:
+            return samples / seconds
+        got = self.comm.allgather_object((samples, seconds))
+        return sum(s for s, _ in got) / max(t for _, t in got)
+
+    def bcast(self, obj):
+        return obj if self.comm is None else self.comm.broadcast_object(obj)
+
+
+def measure(world: World, fn: Callable[[], Tuple[int, float]]) -> float:
+    world.barrier()
+    samples, seconds = fn()
+    return world.total_rate(samples, seconds)
+
+
+def timed(fn: Callable[[], int]) -> Callable[[], Tuple[int, float]]:
+    def run() -> Tuple[int, float]:
+        t0 = time.perf_counter()
+        n = fn()
+        return n, time.perf_counter() - t0
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    import hpctrain.data.loader  # noqa: F401 - import torch now, not inside the first timing
+
+    world = World()
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.rank == 0 else (lambda *a: None)
+    comps = [c.strip() for c in args.compressions.split(",") if c.strip()]
+    row_bytes = args.features * 4 + 8
+    records: List[Dict] = []
+    for comp in comps:
+        if world.rank == 0:
+            path, gen_s = bench_file(args.dir, args.size, comp, args.features, args.chunk_rows, args.regenerate)
+            log(f"[{comp}] {path}: " + (f"generated in {gen_s:.1f} s" if gen_s else "reused"))
+        path = world.bcast(path if world.rank == 0 else None)
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            n = f["x"].shape[0]
+            storage = f["x"].id.get_storage_size() + f["y"].id.get_storage_size()
+        share = n // world.size
+        lo, hi = world.rank * share, (world.rank + 1) * share
+        raw_read(path, lo, hi)  # warm the page cache
+        methods = {
+            "raw 64 MiB slabs": lambda: timed(lambda: raw_read(path, lo, hi))(),
+            "hpctrain loader": lambda: timed(lambda: loader_read(path, world.rank, world.size, args.batch_size,
+                                                                 args.prefetch, rep))(),
+            "naive dset[i]": lambda: naive_read(path, lo, hi, args.naive_seconds),
+        }
+        names = list(methods)
+        rates: Dict[str, List[float]] = {m: [] for m in names}
+        for rep in range(args.repeats):
+            for m in names[rep % len(names):] + names[:rep % len(names)]:
+                rates[m].append(measure(world, methods[m]))
+        med = {m: statistics.median(v) for m, v in rates.items()}
+        raw, loader, naive = med["raw 64 MiB slabs"], med["hpctrain loader"], med["naive dset[i]"]
+        for m in names:
+            records.append({
+                "compression": comp, "method": m, "samples_per_s": med[m], "all": rates[m],
+                "MB_per_s": med[m] * row_bytes / 1e6, "vs_raw": med[m] / raw, "vs_naive": med[m] / naive,
+                "ranks": world.size, "samples": n, "file_bytes": os.path.getsize(path),
+                "storage_bytes": int(storage), "batch_size": args.batch_size,
+            })
+        log(f"[{comp}] loader {loader:,.0f} samples/s = {loader / raw:.0%} of raw, {loader / naive:.0f}x naive")
+    if world.rank != 0:
+        return 0
+    print(render(records, args))
+    if args.json:
+        text = json.dumps({"records": records, "targets": {"vs_raw": TARGET_RAW, "vs_naive": TARGET_NAIVE}}, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+    return 0
+
+
+def render(records: List[Dict], args: argparse.Namespace) -> str:
+    head = (f"HDF5 read benchmark: {records[0]['samples']:,} samples x {args.features} float32 + int64 label "
+            f"({records[0]['samples'] * (args.features * 4 + 8) / 2**30:.2f} GiB), chunks of {args.chunk_rows} "
+            f"rows, batch {args.batch_size}, {records[0]['ranks']} rank(s), page cache warm; "
+            f"median of {args.repeats}")
+    lines = [head, "",
+             f"| compression | method | samples/s | MB/s | vs raw slabs | vs dset[i] |",
+             f"|---|---|---:|---:|---:|---:|"]
+    for r in records:
+        lines.append(f"| {r['compression']} | {r['method']} | {r['samples_per_s']:,.0f} | {r['MB_per_s']:,.0f} | "
+                     f"{r['vs_raw']:.2f} | {r['vs_naive']:.1f}x |")
+    lines.append("")
+    for r in records:
+        if r["method"] == "hpctrain loader":
+            ok_raw = r["vs_raw"] >= TARGET_RAW
+            ok_naive = r["vs_naive"] >= TARGET_NAIVE
+            lines.append(f"{r['compression']}: loader at {r['vs_raw']:.0%} of raw slabs (target {TARGET_RAW:.0%}: "
+                         f"{'met' if ok_raw else 'MISSED'}), {r['vs_naive']:.0f}x dset[i] "
+                         f"(target {TARGET_NAIVE:.0f}x: {'met' if ok_naive else 'MISSED'})")
+    return "\n".join(lines)
