@@ -8,7 +8,7 @@ from .guard import checks_enabled, set_checks
 from .plan import ALGORITHMS, parse_size
 from .world import (Group, abort_job, cross_rank, cross_size, hostname, init, is_initialized, local_rank,
                     local_size, mpi_library_version, mpi_threads_supported, new_group, rank, shutdown, size,
-                    split, world)
+                    rendezvous_address, split, world)
 from .asyncq import Handle, drain as synchronize_all
 
 
@@ -27,7 +27,7 @@ def __getattr__(name):
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
-    "mpi_threads_supported", "abort_job", "allreduce", "allreduce_", "allreduce_async", "allgather",
+    "mpi_threads_supported", "abort_job", "rendezvous_address", "allreduce", "allreduce_", "allreduce_async", "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
     "barrier", "send", "recv", "send_object", "recv_object", "choose_algorithm", "Handle",
     "synchronize_all", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",

@@ -262,3 +262,25 @@ def report_and_abort(exc_type, exc, tb) -> None:
     )
     sys.stderr.flush()
     abort_job(1)
+
+
+def rendezvous_address(group: Optional[Group] = None) -> tuple:
+    """(host, port) for a TCP rendezvous (e.g. torch.distributed's init_method), chosen by
+    rank 0 of the group and sent to every rank over MPI — no MASTER_ADDR/PORT boilerplate."""
+    g = resolve(group)
+    address = None
+    if g.rank == 0:
+        import socket as _socket
+
+        with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = hostname()
+        try:
+            host = _socket.gethostbyname(host)
+        except OSError:
+            host = "127.0.0.1"
+        address = (host, port)
+    from .collectives import broadcast_object
+
+    return tuple(broadcast_object(address, root=0, group=g))

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``hpctrain bench``: every competitor measured in the same run."""

@@ -1,0 +1,177 @@
+"""All-reduce benchmark: hpctrain's algorithms against the MPI library's own MPI_Allreduce,
+torch.distributed Gloo and Horovod (when importable), in one run.
+
+Every algorithm reduces the same in-place buffer (what gradient reduction does). A time is
+the slowest rank's mean over --iters after --warmup; with --repeats R the table shows the
+median over repeats and the spread (min–max). Order of competitors rotates per repeat.
+busbw = algbw · 2(N−1)/N (the nccl-tests definition). Horovod runs in its own phase at the
+end, since its background thread slows every other MPI call while it lives.
+
+  hpctrain launch -n 2 -- hpctrain bench allreduce --sizes 1KiB,64KiB,1MiB,16MiB,64MiB
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+
+from hpctrain import comm
+from hpctrain.comm.plan import format_size, parse_size
+
+HPCTRAIN_ALGOS = ("native", "ring", "shm", "hierarchical", "auto")
+DEFAULT_ALGOS = "mpi,native,ring,shm,hierarchical,auto,gloo,horovod"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="1KiB,64KiB,1MiB,16MiB,64MiB", help="message sizes (bytes, KiB, MiB, …)")
+    p.add_argument("--algos", default=DEFAULT_ALGOS,
+                   help="comma list: mpi (raw MPI_Allreduce, in place), native, ring, shm, hierarchical, "
+                        "auto (hpctrain), gloo (torch.distributed), horovod (if importable)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--check", action="store_true", help="keep hpctrain's per-collective agreement check on")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
+
+
+def busbw_factor(ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+
+
+def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
+    """Mean seconds per call on the slowest rank."""
+    for _ in range(warmup):
+        fn()
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = (time.perf_counter() - t0) / max(iters, 1)
+    return float(comm.allreduce(np.array([elapsed]), op="max", algorithm="native")[0])
+
+
+def make_runners(algos: List[str], dtype: str):
+    runners: Dict[str, Callable[[np.ndarray], Callable[[], None]]] = {}
+    for algo in algos:
+        if algo in HPCTRAIN_ALGOS:
+            runners[algo] = lambda buf, a=algo: (lambda: comm.allreduce_(buf, algorithm=a))
+        elif algo == "mpi":
+            runners[algo] = _raw_mpi_runner()
+        elif algo == "gloo":
+            runner = _gloo_runner()
+            if runner:
+                runners[algo] = runner
+        elif algo != "horovod":
+            raise SystemExit(f"bench allreduce: unknown algorithm {algo!r}; valid: {DEFAULT_ALGOS}")
+    return runners
+
+
+def _raw_mpi_runner():
+    from hpctrain.comm.world import world
+
+    mpi_comm = world().comm
+    from mpi4py import MPI  # noqa: the bench measures the raw library as the reference
+
+    return lambda buf: (lambda: mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
+
+
+def _gloo_runner():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        host, port = comm.rendezvous_address()
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank(), world_size=comm.size())
+    return lambda buf: (lambda t=torch.from_numpy(buf): dist.all_reduce(t))
+
+
+def _horovod_runner():
+    try:
+        import horovod.torch as hvd  # type: ignore
+        import torch
+    except Exception:
+        return None, None
+    hvd.init()
+    return (lambda buf: (lambda t=torch.from_numpy(buf): hvd.allreduce_(t, op=hvd.Sum))), hvd
+
+
+def measure(runners, sizes, dtype, args, records):
+    n = comm.size()
+    names = list(runners)
+    for nbytes in sizes:
+        count = max(nbytes // np.dtype(dtype).itemsize, 1)
+        times: Dict[str, List[float]] = {a: [] for a in names}
+        for rep in range(args.repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for algo in order:
+                buf = np.ones(count, dtype=dtype)
+                times[algo].append(timed(runners[algo](buf), args.iters, args.warmup))
+        for algo in names:
+            t = statistics.median(times[algo])
+            algbw = count * np.dtype(dtype).itemsize / t / 1e9
+            records.append({
+                "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype,
+                "time_s": t, "time_min_s": min(times[algo]), "time_max_s": max(times[algo]),
+                "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(n),
+                "chosen": comm.choose_algorithm(count * np.dtype(dtype).itemsize) if algo == "auto" else algo,
+            })
+
+
+def layout_line() -> str:
+    g = comm.world()
+    nodes = [g.topology.ranks_on(i) for i in range(g.topology.num_nodes)]
+    hosts = comm.allgather_object(comm.hostname())
+    parts = [f"{hosts[r[0]]}:{r}" for r in nodes]
+    return f"ranks={g.size} nodes={len(nodes)} layout: " + "  ".join(parts)
+
+
+def print_table(records: List[dict], out=sys.stdout) -> None:
+    ref_name = "mpi" if any(r["algo"] == "mpi" for r in records) else "native"
+    ref = {r["bytes"]: r["time_s"] for r in records if r["algo"] == ref_name}
+    print(f"{'size':>8} {'algo':>13} {'time_us':>10} {'spread_us':>15} {'algbw':>7} {'busbw':>7} "
+          f"{'x_' + ref_name:>7}", file=out)
+    for r in records:
+        ratio = ref[r["bytes"]] / r["time_s"] if r["bytes"] in ref else float("nan")
+        spread = f"{r['time_min_s'] * 1e6:.0f}-{r['time_max_s'] * 1e6:.0f}"
+        algo = r["algo"] + (f"({r['chosen']})" if r["algo"] == "auto" else "")
+        print(f"{format_size(r['bytes']):>8} {algo:>13} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
+              f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>7.2f}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    comm.init()
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    was_checking = comm.checks_enabled()
+    comm.set_checks(args.check)
+    records: List[dict] = []
+    layout = layout_line()
+    measure(make_runners(algos, args.dtype), sizes, args.dtype, args, records)
+    if "horovod" in algos:
+        runner, hvd = _horovod_runner()
+        if runner is not None:
+            measure({"horovod": runner}, sizes, args.dtype, args, records)
+            hvd.shutdown()
+        elif comm.rank() == 0:
+            print("horovod: not importable, skipped (build it with benchmarks/build_horovod.sh)")
+    comm.set_checks(was_checking)
+    if comm.rank() == 0:
+        print(f"hpctrain bench allreduce: {layout}; dtype={args.dtype} iters={args.iters} "
+              f"warmup={args.warmup} repeats={args.repeats} agreement-check={'on' if args.check else 'off'}")
+        records.sort(key=lambda r: (r["bytes"], algos.index(r["algo"]) if r["algo"] in algos else 99))
+        print_table(records)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+            print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,169 @@
+"""hpctrain.comm collectives under a real mpiexec, checked against mpi4py's Allreduce."""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpctrain import comm
+
+RANKS = (1, 2, 3, 4)
+TIMEOUT = 400
+
+comm.init()
+N, R = comm.size(), comm.rank()
+LENGTHS = sorted({0, 1, max(N - 1, 0), N + 1, 1000003})
+DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint8"]
+ALGOS = ["native", "ring", "shm", "hierarchical", "auto"]
+
+
+def local_data(length, dtype, rank):
+    rng = np.random.default_rng(1000 * rank + length)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(length).astype(dtype)
+    return rng.integers(0, 4, size=length).astype(dtype)  # small ints: no overflow in prod/sum
+
+
+def reference(x, op):
+    if op == "avg":
+        ref = np.empty_like(x, dtype=np.float64)
+        MPI.COMM_WORLD.Allreduce(x.astype(np.float64), ref, op=MPI.SUM)
+        return ref / N
+    wide = x.astype(np.float64)
+    ref = np.empty_like(wide)
+    MPI.COMM_WORLD.Allreduce(wide, ref, op={"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}[op])
+    return ref
+
+
+def assert_same_on_every_rank(result):
+    digests = comm.allgather_object(hashlib.sha1(np.ascontiguousarray(result).tobytes()).hexdigest())
+    assert len(set(digests)) == 1, "result differs between ranks"
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_sum_every_length(algo, dtype):
+    for length in LENGTHS:
+        x = local_data(length, dtype, R)
+        out = comm.allreduce(x, algorithm=algo)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        ref = reference(x, "sum")
+        tol = {"float16": 5e-3 * N, "float32": 1e-5, "float64": 1e-12}.get(dtype, 0)
+        np.testing.assert_allclose(out.astype(np.float64), ref.astype(dtype).astype(np.float64),
+                                   rtol=tol, atol=tol * 4, err_msg=f"{algo} {dtype} length {length}")
+        assert_same_on_every_rank(out)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("op", ["avg", "min", "max", "prod"])
+def test_allreduce_ops(algo, op):
+    for dtype in ["float32", "int32"]:
+        x = local_data(N + 1, dtype, R) + (1 if op == "prod" else 0)
+        out = comm.allreduce(x, op=op, algorithm=algo)
+        ref = reference(x, op)
+        if op == "avg" and dtype == "int32":
+            ref = np.trunc(ref)
+        np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-5, err_msg=f"{algo} {op} {dtype}")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_bfloat16_and_inplace_tensors(algo):
+    t = torch.full((3, 1001), float(R + 1), dtype=torch.bfloat16)
+    same = comm.allreduce_(t, algorithm=algo)
+    assert same is t
+    expected = float(sum(range(1, N + 1)))
+    assert torch.all(t.float() == expected)
+    avg = comm.allreduce(torch.full((7,), float(R), dtype=torch.bfloat16), op="avg", algorithm=algo)
+    assert torch.allclose(avg.float(), torch.full((7,), (N - 1) / 2), rtol=1e-2)
+
+
+def test_async_in_order():
+    handles = [comm.allreduce_async(torch.full((1000,), float(R + i))) for i in range(5)]
+    for i, h in enumerate(handles):
+        assert torch.all(h.wait() == sum(r + i for r in range(N)))
+    assert all(h.done() for h in handles)
+
+
+def test_allgather_uneven_first_dim():
+    x = np.full((R + 1, 3), R, dtype=np.int64)
+    out = comm.allgather(x)
+    assert out.shape == (sum(r + 1 for r in range(N)), 3)
+    np.testing.assert_array_equal(out[:, 0], np.concatenate([[r] * (r + 1) for r in range(N)]))
+    t = comm.allgather(torch.tensor([R], dtype=torch.bfloat16))
+    assert t.dtype == torch.bfloat16 and t.tolist() == list(range(N))
+
+
+def test_broadcast_and_objects():
+    x = np.full(5, R, dtype=np.float32)
+    root = N - 1
+    np.testing.assert_array_equal(comm.broadcast(x, root=root), np.full(5, root))
+    comm.broadcast_(x, root=0)
+    np.testing.assert_array_equal(x, np.zeros(5))
+    assert comm.broadcast_object({"from": R}, root=root) == {"from": root}
+    assert comm.allgather_object(R * 10) == [r * 10 for r in range(N)]
+    comm.barrier()
+
+
+def test_reduce_scatter_and_alltoall():
+    x = np.tile(np.arange(2 * N + 1, dtype=np.float64)[:, None], (1, 2)) * (R + 1)
+    part = comm.reduce_scatter(x)
+    bounds = [(a, b) for a, b in __import__("hpctrain.comm.plan", fromlist=["x"]).chunk_bounds(2 * N + 1, N)]
+    a, b = bounds[R]
+    np.testing.assert_allclose(part, x[a:b] / (R + 1) * sum(range(1, N + 1)))
+    send = np.arange(N * 2, dtype=np.int32) + 100 * R
+    out, splits = comm.alltoall(send)
+    assert splits.tolist() == [2] * N
+    np.testing.assert_array_equal(out, np.concatenate([[100 * r + 2 * R, 100 * r + 2 * R + 1] for r in range(N)]))
+
+
+def test_groups_new_group_and_split():
+    evens = comm.new_group(list(range(0, N, 2)))
+    if R % 2 == 0:
+        assert evens.size == len(range(0, N, 2)) and evens.rank == R // 2
+        for algo in ALGOS:
+            out = comm.allreduce(np.ones(1001), algorithm=algo, group=evens)
+            np.testing.assert_array_equal(out, np.full(1001, evens.size))
+    else:
+        assert evens is None
+    half = comm.split(color=R % 2)
+    assert half.size == len(range(R % 2, N, 2))
+    out = comm.allreduce(np.array([float(R)]), group=half)
+    assert out[0] == sum(range(R % 2, N, 2))
+    assert comm.allgather_object(R, group=half) == list(range(R % 2, N, 2))
+
+
+def test_point_to_point_and_size_mismatch():
+    if N < 2:
+        return
+    if R == 0:
+        comm.send(torch.arange(10, dtype=torch.float32), dest=1, tag=7)
+        comm.send_object({"hello": 1}, dest=1)
+        comm.send(np.zeros(3), dest=1, tag=8)
+    elif R == 1:
+        out = comm.recv(torch.empty(10), source=0, tag=7)
+        assert out.tolist() == list(range(10))
+        assert comm.recv_object(source=0) == {"hello": 1}
+        with pytest.raises(comm.CommError, match="message has 24 bytes"):
+            comm.recv(np.zeros(4), source=0, tag=8)
+        comm.recv(np.zeros(3), source=0, tag=8)
+    comm.barrier()
+
+
+def test_topology_single_node():
+    assert comm.local_size() == N and comm.local_rank() == R
+    assert comm.cross_size() == 1 and comm.cross_rank() == 0
+    assert comm.choose_algorithm(64 << 20) == ("shm" if N > 1 else "native")
+
+
+def test_mismatched_shapes_raise_on_every_rank():
+    if N < 2:
+        return
+    length = 10 if R != N - 1 else 12
+    with pytest.raises(comm.CollectiveMismatchError) as info:
+        comm.allreduce(np.ones(length))
+    msg = str(info.value)
+    assert f"ranks {N - 1} called allreduce(sum, float64, 12 elements" in msg
+    with pytest.raises(comm.CollectiveMismatchError, match="float32"):
+        comm.allreduce(np.ones(4, dtype=np.float32 if R == 0 else np.float64))
+    comm.barrier()  # and the group still works afterwards

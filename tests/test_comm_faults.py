@@ -1,0 +1,38 @@
+"""Faults must end the job fast, non-zero, naming the rank — never hang."""
+import time
+
+import pytest
+
+from mpirun import ROOT, python_argv, run_mpi
+
+SCRIPTS = ROOT / "tests" / "mpi_scripts"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_stall_watchdog_names_missing_rank_and_aborts(n):
+    t0 = time.monotonic()
+    result = run_mpi(n, python_argv(str(SCRIPTS / "stall.py")), timeout=60, env={"HPCTRAIN_STALL_TIMEOUT": "3"})
+    elapsed = time.monotonic() - t0
+    assert result.returncode not in (0, -9), result.stdout
+    assert "STALL" in result.stdout and "Not arrived: ranks 1" in result.stdout, result.stdout
+    assert "unreachable" not in result.stdout
+    assert elapsed < 40, f"took {elapsed:.0f}s"
+
+
+@pytest.mark.parametrize("n,bad", [(2, 1), (3, 1), (3, 0)])
+def test_exception_on_one_rank_aborts_job(n, bad):
+    t0 = time.monotonic()
+    result = run_mpi(n, python_argv(str(SCRIPTS / "raise_on_rank.py"), str(bad)), timeout=60,
+                     env={"HPCTRAIN_STALL_TIMEOUT": "300"})
+    assert result.returncode not in (0, -9), result.stdout
+    assert f"rank {bad} raised an unhandled exception" in result.stdout
+    assert "injected failure" in result.stdout and "unreachable" not in result.stdout
+    assert time.monotonic() - t0 < 40
+
+
+def test_cli_exception_aborts_job():
+    """A failing hpctrain command on one rank aborts every rank (here: a bad --sizes value
+    only rank 1 sees would hang rank 0 otherwise; we use a missing JSON directory instead)."""
+    result = run_mpi(2, python_argv("-m", "hpctrain.cli.main", "selfcheck", "--fail-on-rank", "1"), timeout=60)
+    assert result.returncode not in (0, -9), result.stdout
+    assert "rank 1 raised an unhandled exception" in result.stdout

@@ -1,0 +1,75 @@
+"""hpctrain.comm as a single process (no mpiexec): init works, collectives are identities,
+buffers keep their type, bad input says what is wrong."""
+import numpy as np
+import pytest
+import torch
+
+from hpctrain import comm
+from hpctrain.comm import guard
+from hpctrain.comm.buffers import finish_average, flatten, reduce_into
+
+
+def test_single_process_collectives():
+    comm.init()
+    assert comm.size() >= 1 and comm.is_initialized()
+    if comm.size() != 1:
+        pytest.skip("this module is meant to run as a single process")
+    x = np.arange(10, dtype=np.float32)
+    for algo in comm.ALGORITHMS:
+        np.testing.assert_array_equal(comm.allreduce(x, algorithm=algo), x)
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    out = comm.allreduce(t, op="avg")
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3) and torch.equal(out, t)
+    assert comm.allgather(x).shape == (10,)
+    assert comm.allgather_object("a") == ["a"]
+    assert comm.broadcast_object({"k": 1}) == {"k": 1}
+    h = comm.allreduce_async(torch.ones(3))
+    assert torch.equal(h.wait(), torch.ones(3)) and h.done()
+
+
+def test_bad_input_messages():
+    comm.init()
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.allreduce_(torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match="unknown reduction op 'mean'"):
+        comm.allreduce(np.ones(3), op="mean")
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
+        comm.allreduce(np.ones(3), algorithm="magic")
+    with pytest.raises(TypeError, match="numpy array or a CPU torch tensor"):
+        comm.allreduce([1, 2, 3])
+    with pytest.raises(ValueError, match="root must be a rank"):
+        comm.broadcast(np.ones(2), root=5)
+    with pytest.raises(ValueError, match="splits must be 1 non-negative row counts summing to 3"):
+        comm.alltoall(np.ones(3), splits=[2])
+
+
+def test_reduction_kernels_all_dtypes():
+    for dtype in ["float16", "float32", "float64", "int8", "int32", "int64", "uint8"]:
+        a, b = np.array([1, 5, 3], dtype=dtype), np.array([4, 2, 3], dtype=dtype)
+        for op, ref in [("sum", a + b), ("max", np.maximum(a, b)), ("min", np.minimum(a, b)), ("prod", a * b)]:
+            acc = a.copy()
+            reduce_into(acc, b, op, dtype)
+            np.testing.assert_array_equal(acc, ref)
+    ta, tb = torch.tensor([1.5, -2.0], dtype=torch.bfloat16), torch.tensor([0.5, 3.0], dtype=torch.bfloat16)
+    fa, fb = flatten(ta.clone()), flatten(tb)
+    reduce_into(fa.array, fb.array, "sum", "bfloat16")
+    assert torch.equal(torch.from_numpy(fa.array.view(np.int16)).view(torch.bfloat16), ta + tb)
+    ints = np.array([7, -7], dtype=np.int32)
+    finish_average(ints, 2, "int32")
+    np.testing.assert_array_equal(ints, [3, -3])  # truncates toward zero, like C
+
+
+class _FakeGroup:
+    name = "world"
+
+    def describe_ranks(self, ranks):
+        return "ranks " + ", ".join(map(str, ranks))
+
+
+def test_mismatch_message_names_ranks_and_calls():
+    h0 = guard.make_header(4, "allreduce", "sum", "float32", 10, "ring")
+    h1 = guard.make_header(4, "allreduce", "sum", "float32", 12, "ring")
+    msg = guard.mismatch_message(np.stack([h0, h0, h1]), _FakeGroup())
+    assert "ranks 0, 1 called allreduce(sum, float32, 10 elements, ring)" in msg
+    assert "ranks 2 called allreduce(sum, float32, 12 elements, ring)" in msg
+    assert "HINT" in msg

@@ -1,0 +1,137 @@
+"""Pure planning code of hpctrain.comm: ring schedule, chunks, topology, algorithm choice."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hpctrain.comm import plan
+from hpctrain.comm.launcher import check_world_size, detect_launcher, expected_world_size
+from hpctrain.comm.errors import WorldSizeError
+
+
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_chunk_bounds_cover_in_order_and_balance(length, parts):
+    bounds = plan.chunk_bounds(length, parts)
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def simulate_ring(values):
+    """Run the ring schedule for every rank in one process, exactly as ring_ does."""
+    n, length = len(values), len(values[0])
+    bufs = [np.array(v, dtype=np.int64) for v in values]
+    bounds = plan.chunk_bounds(length, n)
+    for step in range(n - 1):
+        sent = {}
+        for r in range(n):
+            send_c, _ = plan.reduce_scatter_step(r, n, step)
+            a, b = bounds[send_c]
+            sent[(r + 1) % n] = (send_c, bufs[r][a:b].copy())
+        for r in range(n):
+            _, recv_c = plan.reduce_scatter_step(r, n, step)
+            chunk, data = sent[r]
+            assert chunk == recv_c, "receiver expects the chunk its left neighbour sends"
+            a, b = bounds[recv_c]
+            bufs[r][a:b] += data
+    for step in range(n - 1):
+        sent = {}
+        for r in range(n):
+            send_c, _ = plan.allgather_step(r, n, step)
+            a, b = bounds[send_c]
+            sent[(r + 1) % n] = (send_c, bufs[r][a:b].copy())
+        for r in range(n):
+            _, recv_c = plan.allgather_step(r, n, step)
+            chunk, data = sent[r]
+            assert chunk == recv_c
+            a, b = bounds[recv_c]
+            bufs[r][a:b] = data
+    return bufs
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 9), st.integers(0, 40), st.integers(0, 2**16))
+def test_ring_schedule_reduces_everything_on_every_rank(n, length, seed):
+    rng = np.random.default_rng(seed)
+    values = [rng.integers(-100, 100, size=length) for _ in range(n)]
+    expected = np.sum(values, axis=0) if length else np.zeros(0)
+    for buf in simulate_ring(values):
+        np.testing.assert_array_equal(buf, expected)
+
+
+@given(st.integers(1, 9))
+def test_each_rank_owns_a_distinct_chunk(n):
+    assert sorted(plan.owned_chunk(r, n) for r in range(n)) == list(range(n))
+    for r in range(n):
+        left, right = plan.ring_neighbors(r, n)
+        assert plan.ring_neighbors(right, n)[0] == r and plan.ring_neighbors(left, n)[1] == r
+
+
+def test_segments_split_and_reject_zero():
+    assert plan.segments(10, 25, 8) == [(10, 18), (18, 25)]
+    assert plan.segments(5, 5, 8) == []
+    with pytest.raises(ValueError):
+        plan.segments(0, 10, 0)
+
+
+def test_bad_ranks_are_rejected():
+    with pytest.raises(ValueError, match="not in a world of size 3"):
+        plan.reduce_scatter_step(3, 3, 0)
+    with pytest.raises(ValueError):
+        plan.chunk_bounds(10, 0)
+
+
+def test_topology_from_hostnames():
+    topo = plan.topology_from_keys(["b", "b", "a", "a"])
+    assert topo.node_of == (0, 0, 1, 1)
+    assert [topo.local_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [topo.cross_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert topo.cross_size == 2 and topo.homogeneous and not topo.single_node
+    uneven = plan.topology_from_keys(["a", "a", "b"])
+    assert not uneven.homogeneous and uneven.local_size(2) == 1
+
+
+@pytest.mark.parametrize("nbytes,keys,requested,expected", [
+    (1024, ["a", "a"], "auto", "native"),
+    (64 << 20, ["a", "a"], "auto", "shm"),
+    (64 << 20, ["a", "a", "b", "b"], "auto", "hierarchical"),
+    (64 << 20, ["a", "a", "b"], "auto", "ring"),
+    (1024, ["a", "a", "b", "b"], "auto", "native"),
+    (64 << 20, ["a"], "auto", "native"),
+    (64 << 20, ["a", "b"], "shm", "hierarchical"),       # shm never spans nodes
+    (64 << 20, ["a", "a", "b"], "shm", "ring"),
+    (64 << 20, ["a", "a"], "hierarchical", "shm"),
+    (64 << 20, ["a", "a"], "ring", "ring"),
+])
+def test_choose_algorithm(nbytes, keys, requested, expected):
+    assert plan.choose_algorithm(nbytes, plan.topology_from_keys(keys), requested) == expected
+
+
+def test_choose_algorithm_rejects_unknown():
+    with pytest.raises(ValueError, match="valid: auto, ring"):
+        plan.choose_algorithm(1, plan.topology_from_keys(["a"]), "fast")
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("64KiB", 65536), ("1MiB", 1 << 20), ("1MB", 10**6),
+                                        ("2 GiB", 2 << 30)])
+def test_parse_size(text, value):
+    assert plan.parse_size(text) == value
+    assert plan.parse_size(plan.format_size(value)) == value
+
+
+def test_parse_size_error_gives_examples():
+    with pytest.raises(ValueError, match="examples"):
+        plan.parse_size("lots")
+
+
+def test_world_size_check_catches_silent_singletons():
+    srun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}
+    assert detect_launcher(srun) == "srun" and expected_world_size(srun) == 2
+    with pytest.raises(WorldSizeError, match="srun --mpi=pmix"):
+        check_world_size(srun, 1)
+    check_world_size(srun, 2)
+    # under mpirun inside an allocation the SLURM variables describe mpirun's daemons
+    check_world_size({**srun, "OMPI_COMM_WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "1"}, 4)
+    # a plain python in the batch script (no step) is not checked
+    check_world_size({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, 1)
