@@ -1,0 +1,210 @@
+"""The HDF5 loader in one process: contents, partition, epochs, prefetch, workers, drivers."""
+from __future__ import annotations
+
+import os
+import threading
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.data import HDF5Dataset
+from hpctrain.data.errors import ConfigError, CorruptFileError
+from hpctrain.data.loader import choose_driver
+
+
+def make_file(path, n, start=0, chunk=16, features=3, compression=None, fletcher32=False):
+    """x[i] = [g*10, g*10+1, ...] and y[i] = g for the global id g = start + i."""
+    g = np.arange(start, start + n, dtype=np.int64)
+    x = (g[:, None] * 10 + np.arange(features)).astype(np.float32)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x, chunks=(min(chunk, n), features), compression=compression,
+                         fletcher32=fletcher32)
+        f.create_dataset("y", data=g, chunks=(min(chunk, n),), compression=compression, fletcher32=fletcher32)
+    return str(path)
+
+
+@pytest.fixture
+def three_files(tmp_path):
+    sizes = [50, 7, 80]
+    paths, start = [], 0
+    for i, n in enumerate(sizes):
+        paths.append(make_file(tmp_path / f"part{i}.h5", n, start))
+        start += n
+    return paths, sum(sizes)
+
+
+def collect(ds):
+    ids, masks, steps = [], [], 0
+    for b in ds:
+        g = b["index"]
+        assert torch.equal(b["y"], g), "y must be the global id"
+        assert torch.equal(b["x"][:, 0], (g * 10).float())
+        assert b["mask"].dtype == torch.bool and b["x"].shape[0] == ds.batch_size_here
+        ids.append(g.numpy())
+        masks.append(b["mask"].numpy())
+        steps += 1
+    assert steps == len(ds)
+    return np.concatenate(ids), np.concatenate(masks)
+
+
+@pytest.mark.parametrize("policy", ["contiguous", "strided", "weighted"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_every_rank_in_one_process(three_files, policy, prefetch):
+    paths, n = three_files
+    world = 3
+    weights = [1.0, 2.0, 3.0] if policy == "weighted" else None
+    real = []
+    lengths = set()
+    for rank in range(world):
+        ds = HDF5Dataset(paths, ["x", "y"], 4, rank=rank, world_size=world, policy=policy, seed=3,
+                         weights=weights, prefetch=prefetch, window_bytes=200, block_bytes=1)
+        ds.set_epoch(1)
+        ids, mask = collect(ds)
+        real.append(ids[mask])
+        lengths.add(len(ds))
+    assert len(lengths) == 1
+    allreal = np.concatenate(real)
+    assert sorted(allreal.tolist()) == list(range(n))  # pad mode: complete, each once
+
+
+def test_epochs_reshuffle_and_repeat(three_files):
+    paths, _ = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 5, rank=0, world_size=1, seed=1, block_bytes=1)
+    a, ma = collect(ds)
+    again, _ = collect(ds)
+    ds.set_epoch(1)
+    b, mb = collect(ds)
+    assert np.array_equal(a, again)
+    assert not np.array_equal(a, b)
+    assert sorted(a[ma].tolist()) == sorted(b[mb].tolist())
+
+
+def test_prefetch_matches_synchronous(three_files):
+    paths, _ = three_files
+    kw = dict(rank=1, world_size=2, seed=9, window_bytes=300, block_bytes=1)
+    a, ma = collect(HDF5Dataset(paths, ["x", "y"], 6, prefetch=0, **kw))
+    b, mb = collect(HDF5Dataset(paths, ["x", "y"], 6, prefetch=3, **kw))
+    assert np.array_equal(a, b) and np.array_equal(ma, mb)
+
+
+def test_drop_last_has_no_padding(three_files):
+    paths, n = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 8, rank=0, world_size=2, drop_last=True)
+    ids, mask = collect(ds)
+    assert mask.all() and len(ds) == n // 16
+
+
+def test_dtypes_and_transforms(three_files):
+    paths, _ = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1, dtypes={"x": torch.float64, "y": "int32"},
+                     transforms={"x": lambda t: t * 2}, transform=lambda b: {**b, "extra": b["y"] + 1})
+    b = next(iter(ds))
+    assert b["x"].dtype == torch.float64 and b["y"].dtype == torch.int32
+    assert torch.equal(b["x"][:, 0], b["index"].double() * 20)
+    assert torch.equal(b["extra"], b["y"] + 1)
+
+
+def test_early_break_stops_the_prefetch_thread(three_files):
+    paths, _ = three_files
+    before = threading.active_count()
+    ds = HDF5Dataset(paths, ["x", "y"], 2, rank=0, world_size=1, prefetch=2, window_bytes=64)
+    for i, _ in enumerate(ds):
+        if i == 3:
+            break
+    assert threading.active_count() == before
+
+
+def test_dataloader_workers_fork_safe(three_files):
+    paths, n = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1, window_bytes=200, block_bytes=1, seed=2)
+    first, _ = collect(ds)  # the parent has now opened the files: workers must not reuse them
+    assert ds._handles
+    loader = ds.dataloader(num_workers=2, multiprocessing_context="fork")
+    assert len(loader) == len(ds)
+    ids = []
+    for b in loader:
+        assert torch.equal(b["y"], b["index"])
+        ids.append(b["index"][b["mask"]].numpy())
+    got = np.concatenate(ids)
+    assert sorted(got.tolist()) == list(range(n)) == sorted(set(first.tolist()))
+
+
+def test_pickles_without_handles(three_files):
+    import pickle
+
+    paths, _ = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1)
+    next(iter(ds))
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._handles == {}
+    assert len(list(clone)) == len(ds)
+
+
+def test_directory_and_glob(three_files, tmp_path):
+    paths, n = three_files
+    for source in (str(tmp_path), str(tmp_path / "part*.h5")):
+        ds = HDF5Dataset(source, ["x", "y"], 4, rank=0, world_size=1)
+        assert ds.paths == sorted(paths) and ds.num_samples == n
+
+
+def test_lzf_and_reserved_names(tmp_path):
+    p = make_file(tmp_path / "c.h5", 100, compression="lzf")
+    ids, mask = collect(HDF5Dataset(p, ["x", "y"], 8, rank=0, world_size=1))
+    assert sorted(ids[mask].tolist()) == list(range(100))
+    with pytest.raises(ConfigError, match="clashes"):
+        HDF5Dataset(p, ["x", "y"], 8, rank=0, world_size=1, mask_key="y")
+
+
+def test_corrupt_chunk_raises_naming_file_and_key(tmp_path):
+    p = make_file(tmp_path / "bad.h5", 400, chunk=100, fletcher32=True, features=8)
+    with h5py.File(p, "r") as f:
+        offset = f["x"].id.get_chunk_info(1).byte_offset
+    with open(p, "r+b") as fh:
+        fh.seek(offset + 10)
+        fh.write(b"\xff\xfe\xfd\xfc")
+    ds = HDF5Dataset(p, ["x", "y"], 10, rank=0, world_size=1, prefetch=1, shuffle=False)
+    with pytest.raises(CorruptFileError) as info:
+        list(ds)
+    assert p in str(info.value) and "'x'" in str(info.value)
+
+
+def test_default_rank_and_size_come_from_comm(three_files):
+    # In a subprocess: comm.init() starts MPI, which this pytest process should not do.
+    import subprocess
+    import sys
+
+    paths, _ = three_files
+    code = ("from hpctrain.data import HDF5Dataset; import sys; "
+            "ds = HDF5Dataset(sys.argv[1:], ['x', 'y'], 4); print(ds.rank, ds.world_size)")
+    out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1"]
+
+
+def test_choose_driver():
+    assert choose_driver("auto", False, 4, False) is None
+    assert choose_driver("auto", True, 4, False) == "mpio"
+    assert choose_driver("auto", True, 1, False) is None
+    assert choose_driver("auto", True, 4, True) is None  # DataLoader workers are not MPI ranks
+    assert choose_driver("serial", True, 4, False) is None
+    with pytest.raises(ConfigError, match="parallel HDF5"):
+        choose_driver("mpio", False, 2, False)
+    with pytest.raises(ConfigError, match="worker"):
+        choose_driver("mpio", True, 2, True)
+    with pytest.raises(ConfigError, match="unknown driver"):
+        choose_driver("posix", True, 2, False)
+
+
+def test_mpio_driver_reads(three_files):
+    """The parallel-HDF5 path, where h5py was built with MPI (not the case on PyPI wheels)."""
+    if not h5py.get_config().mpi:
+        if os.environ.get("HPCTRAIN_REQUIRE_MPIO") == "1":
+            pytest.fail("HPCTRAIN_REQUIRE_MPIO=1 but this h5py was built without MPI")
+        pytest.skip("h5py built without MPI (h5py.get_config().mpi is False): driver='mpio' not testable; "
+                    "set HPCTRAIN_REQUIRE_MPIO=1 to make this a failure")
+    paths, n = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1, driver="mpio")
+    ids, mask = collect(ds)
+    assert sorted(ids[mask].tolist()) == list(range(n))
