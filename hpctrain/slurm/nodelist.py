@@ -1,8 +1,8 @@
 """Pure parsers for SLURM's compressed host lists and per-node task counts.
 
 ``SLURM_JOB_NODELIST`` uses Slurm's hostlist syntax: comma-separated host patterns, each
-with any number of bracket groups of numbers and ranges, expanded as a cartesian product
-(the first group varies slowest, as ``scontrol show hostnames`` prints them)::
+with any number of bracket groups of numbers and ranges, expanded as a cartesian product in
+the order ``scontrol show hostnames`` prints them (the last group varies fastest)::
 
     node[001-004,010]       -> node001 node002 node003 node004 node010
     gpu-a[1-2],gpu-b7       -> gpu-a1 gpu-a2 gpu-b7
@@ -13,6 +13,7 @@ A range keeps the zero padding of its lower bound (``[08-10]`` -> 08 09 10, ``[8
 """
 from __future__ import annotations
 
+import itertools
 import re
 from typing import List
 
@@ -68,20 +69,36 @@ def _expand_group(group: str, whole: str) -> List[str]:
     return values
 
 
+def _loop_order(groups: int) -> List[int]:
+    """Slurm's nesting of bracket groups, outermost first.
+
+    Slurm splits a name at its last bracket group (the fastest-varying one) and expands the
+    rest recursively from the last group backwards, so ``r[1-2]n[1-2]g[0-1]`` gives
+    r1n1g0 r1n1g1 r2n1g0 r2n1g1 r1n2g0 … (checked against ``scontrol show hostnames``).
+    """
+    if groups <= 1:
+        return list(range(groups))
+    return list(range(groups - 2, -1, -1)) + [groups - 1]
+
+
 def _expand_pattern(pattern: str, whole: str) -> List[str]:
     # re.split with a capturing group alternates: literal, [group], literal, [group], ...
     pieces = re.split(r"\[([^\]]*)\]", pattern)
-    names = [""]
-    for index, piece in enumerate(pieces):
-        if index % 2 == 0:
-            names = [n + piece for n in names]
-            continue
-        if not piece:
+    literals, groups = pieces[0::2], pieces[1::2]
+    values = []
+    total = 1
+    for group in groups:
+        if not group:
             raise ValueError(f"empty [] in hostlist {whole!r}")
-        expanded = _expand_group(piece, whole)
-        names = [n + v for n in names for v in expanded]
-        if len(names) > _MAX_HOSTS:
+        values.append(_expand_group(group, whole))
+        total *= len(values[-1])
+        if total > _MAX_HOSTS:
             raise ValueError(f"hostlist {whole!r} expands to more than {_MAX_HOSTS} hosts")
+    order = _loop_order(len(groups))
+    names = []
+    for combo in itertools.product(*(values[i] for i in order)):
+        chosen = dict(zip(order, combo))
+        names.append("".join(lit + (chosen[i] if i < len(groups) else "") for i, lit in enumerate(literals)))
     return names
 
 

@@ -19,8 +19,10 @@ CASES = [
     ("nid[00012-00013],login1", ["nid00012", "nid00013", "login1"]),
     ("jrc[0001,0450-0451]", ["jrc0001", "jrc0450", "jrc0451"]),
     ("cn[1,3,5]", ["cn1", "cn3", "cn5"]),
-    ("x[1-2]y", ["x1y", "x2y"]),
-    ("r[1-2]n[1-2]g[0-1]", [f"r{r}n{n}g{g}" for r in (1, 2) for n in (1, 2) for g in (0, 1)]),
+    ("x[1-2]y", ["x1y", "x2y"]),  # Slurm rejects text after the last bracket; we accept it
+    # Slurm's own order for three groups (scontrol show hostnames): 2nd slowest, then 1st, 3rd fastest.
+    ("r[1-2]n[1-2]g[0-1]", [f"r{r}n{n}g{g}" for n in (1, 2) for r in (1, 2) for g in (0, 1)]),
+    ("a[1-2]b[1-2]c[1-2]d[1-2]", [f"a{a}b{b}c{c}d{d}" for c in (1, 2) for b in (1, 2) for a in (1, 2) for d in (1, 2)]),
     ("host.example.org", ["host.example.org"]),
     ("  node[1-2]\n", ["node1", "node2"]),  # stray whitespace around the value is tolerated
 ]
