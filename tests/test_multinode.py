@@ -91,3 +91,19 @@ def test_skip_or_fail_policy(monkeypatch):
     monkeypatch.setenv("HPCTRAIN_REQUIRE_MULTINODE", "1")
     with pytest.raises(pytest.fail.Exception, match="no netns here"):
         skip_or_fail("no netns here")
+
+
+# --------------------------------------------------------------------------- hpctrain.comm across nodes
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_comm_across_nodes(multinode_cluster, layout):
+    """tests/cluster/mpi_checks.py under mpiexec: topology, every all-reduce algorithm vs
+    MPI_Allreduce, shared memory confined to a node, auto's choice, sub-groups."""
+    spec, _ = LAYOUTS[layout]
+    proc = run_mpi_on_cluster(
+        spec,
+        python_argv("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no",
+                    str(Path("tests") / "cluster" / "mpi_checks.py")),
+        timeout=240,
+        env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60", "HPCTRAIN_TEST_LAYOUT": spec},
+    )
+    assert proc.returncode == 0, f"mpi_checks.py at {layout} ({spec}) failed, rc={proc.returncode}:\n{proc.stdout[-12000:]}"

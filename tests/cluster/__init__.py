@@ -137,6 +137,9 @@ def cluster_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
     env = mpi_env(None)
     env["PRTE_MCA_plm_ssh_agent"] = str(MPI_AGENT)
+    # Every "node" is this machine's cores: ranks of all nodes together oversubscribe them,
+    # which Open MPI cannot see from one node's slot count, so tell it to yield when idle.
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if extra:
         env.update(extra)
     return env

