@@ -157,11 +157,12 @@ wait_idle() {
 
 stop_pid() {
   local file=$1 prog=$2 pid
-  pid=$(live_pid "$file" "$prog") || return 0
+  pid=$(live_pid "$file" "$prog") || { rm -f "$file"; return 0; }  # stale or missing
   kill "$pid" 2>/dev/null || true
-  for _ in $(seq 100); do [ -d "/proc/$pid" ] || return 0; sleep 0.1; done
+  for _ in $(seq 100); do [ -d "/proc/$pid" ] || { rm -f "$file"; return 0; }; sleep 0.1; done
   say "$prog (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL"
   kill -9 "$pid" 2>/dev/null || true
+  rm -f "$file"
 }
 
 cmd_start() {

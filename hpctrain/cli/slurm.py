@@ -12,6 +12,7 @@ name. The command after `--` is quoted word by word (use `-- bash -c '…'` for 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
@@ -124,7 +125,9 @@ def _parse(action: str, argv: Sequence[str]) -> Tuple[argparse.Namespace, List[s
     ns, extra = parser.parse_known_args(opts)
     stray = [w for w in extra if w.startswith("-")]
     if stray:
-        parser.error(f"unknown option(s): {' '.join(stray)}")
+        known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        close = difflib.get_close_matches(stray[0].split("=")[0], known, n=1)
+        parser.error(f"unknown option(s): {' '.join(stray)}" + (f" (did you mean {close[0]}?)" if close else ""))
     if extra:
         parser.error(f"unexpected {' '.join(extra)!r}; put the command after `--`")
     command = list(ns.command) + command
@@ -218,7 +221,7 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     for name, func, what in (("render", cmd_render, "print the sbatch script"),
                              ("submit", cmd_submit, "write the script into the run directory and sbatch it")):
         q = ssub.add_parser(
-            name, help=what, add_help=False,
+            name, help=what,
             usage=f"hpctrain slurm {name} TEMPLATE [OPTIONS] -- COMMAND…",
             description=f"{what}.\n\n" + option_parser(name).format_help(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
