@@ -24,14 +24,15 @@ from hpctrain import comm
 from hpctrain.comm.plan import format_size, parse_size
 
 HPCTRAIN_ALGOS = ("native", "ring", "shm", "hierarchical", "auto")
-DEFAULT_ALGOS = "mpi,native,ring,shm,hierarchical,auto,gloo,horovod"
+DEFAULT_ALGOS = "mpi,native,ring,shm,shm-zc,hierarchical,auto,auto-zc,gloo,horovod"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1KiB,64KiB,1MiB,16MiB,64MiB", help="message sizes (bytes, KiB, MiB, …)")
     p.add_argument("--algos", default=DEFAULT_ALGOS,
                    help="comma list: mpi (raw MPI_Allreduce, in place), native, ring, shm, hierarchical, "
-                        "auto (hpctrain), gloo (torch.distributed), horovod (if importable)")
+                        "auto (hpctrain, on the caller's buffer), shm-zc and auto-zc (hpctrain on a buffer "
+                        "in the shared window: zero-copy), gloo (torch.distributed), horovod (if importable)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
@@ -61,6 +62,8 @@ def make_runners(algos: List[str], dtype: str):
     for algo in algos:
         if algo in HPCTRAIN_ALGOS:
             runners[algo] = lambda buf, a=algo: (lambda: comm.allreduce_(buf, algorithm=a))
+        elif algo in ("shm-zc", "auto-zc"):
+            runners[algo] = _zero_copy_runner(algo.split("-")[0])
         elif algo == "mpi":
             runners[algo] = _raw_mpi_runner()
         elif algo == "gloo":
@@ -70,6 +73,21 @@ def make_runners(algos: List[str], dtype: str):
         elif algo != "horovod":
             raise SystemExit(f"bench allreduce: unknown algorithm {algo!r}; valid: {DEFAULT_ALGOS}")
     return runners
+
+
+_SHARED: Dict[tuple, object] = {}
+
+
+def _zero_copy_runner(algo: str):
+    def make(buf: np.ndarray):
+        key = (buf.size, buf.dtype.name)
+        if key not in _SHARED:  # one window per size, reused across repeats and algorithms
+            _SHARED[key] = comm.shared_buffer(buf.size, buf.dtype.name)
+        sbuf = _SHARED[key]
+        sbuf.array[:] = buf
+        return lambda: comm.allreduce_(sbuf.array, algorithm=algo)
+
+    return make
 
 
 def _raw_mpi_runner():

@@ -29,7 +29,7 @@ __all__ = [
     "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
     "mpi_threads_supported", "abort_job", "rendezvous_address", "allreduce", "allreduce_", "allreduce_async", "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
-    "barrier", "send", "recv", "send_object", "recv_object", "choose_algorithm", "Handle",
+    "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "Handle",
     "synchronize_all", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
     "CollectiveMismatchError", "StallError", "NotInitializedError", "WorldSizeError",
 ]

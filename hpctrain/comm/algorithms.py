@@ -203,3 +203,82 @@ def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog,
         qa, qb = bounds[q]
         if qb > qa:
             np.copyto(out[qa:qb], slots[q][qa:qb])
+
+
+# --------------------------------------------------------------------------- zero-copy buffers
+class SharedBuffer:
+    """Memory hpctrain owns inside the node's shared window: one slot per local rank, each
+    with the same shape and dtype. Write your data into ``array`` (or ``tensor``); an
+    all-reduce on it (or on any contiguous view into it, e.g. a gradient bucket) reduces with
+    no copy in or out: each rank reduces its slice straight from its peers' slots and writes
+    the result into every slot, so every rank finds the result in place.
+    """
+
+    def __init__(self, group, count: int, dtype, dtype_name: str) -> None:
+        self.group = group
+        self.dtype = np.dtype(dtype)
+        self.dtype_name = dtype_name
+        self.count = count
+        nbytes = max(count * self.dtype.itemsize, 1)
+        self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=group.node_comm)
+        self.slots = []
+        for q in range(group.node_comm.Get_size()):
+            buf, _ = self.win.Shared_query(q)
+            self.slots.append(np.frombuffer(buf, dtype=np.uint8)[:count * self.dtype.itemsize].view(self.dtype))
+        self.array = self.slots[group.node_comm.Get_rank()]
+        self.base = self.array.__array_interface__["data"][0]
+        self.end = self.base + count * self.dtype.itemsize
+
+    def tensor(self):
+        """A torch view of this rank's slot (bfloat16 when created with that dtype)."""
+        import torch
+
+        if self.dtype_name == "bfloat16":
+            return torch.from_numpy(self.array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(self.array)
+
+    def locate(self, arr: np.ndarray):
+        """Element offset of ``arr`` inside this rank's slot, or None if it lies elsewhere."""
+        ptr = arr.__array_interface__["data"][0]
+        if self.base <= ptr and ptr + arr.nbytes <= self.end and arr.dtype.itemsize == self.dtype.itemsize:
+            offset, rem = divmod(ptr - self.base, self.dtype.itemsize)
+            return None if rem else offset
+        return None
+
+    def free(self) -> None:
+        if self.win is not None:
+            self.group.node_comm.Barrier()
+            self.slots, self.array = [], None
+            self.win.Free()
+            self.win = None
+
+
+def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, dtype_name: str, dog,
+                   what: str, cross: bool = False) -> None:
+    """All-reduce elements [offset, offset+count) of every local rank's slot, in place.
+
+    Barrier (all data written) → each rank reduces its slice from every slot → (across nodes:
+    ring among the ranks owning the same slice) → writes it into every slot → barrier.
+    """
+    node = group.node_comm
+    local_size, local_rank = node.Get_size(), node.Get_rank()
+    views = [s[offset:offset + count] for s in sbuf.slots]
+    a, b = plan.chunk_bounds(count, local_size)[local_rank]
+    mine = views[local_rank][a:b]
+    red = "sum" if op == "avg" else op
+    node_ranks = lambda: "a rank on this node"  # noqa: E731
+    with dog.watch(what + " (zero-copy: waiting for peers' data)", node_ranks):
+        node.Barrier()
+    for q in range(local_size):
+        if q != local_rank:
+            reduce_into(mine, views[q][a:b], red, dtype_name)
+    if cross and group.cross_size > 1:
+        ring_(group.cross_ring_comm, mine, op, dtype_name, dog, what + " (inter-node ring)",
+              describe=lambda r: f"the rank with local rank {local_rank} on node {r}", average_over=group.size)
+    elif op == "avg":
+        finish_average(mine, group.size, dtype_name)
+    for q in range(local_size):
+        if q != local_rank and b > a:
+            np.copyto(views[q][a:b], mine)
+    with dog.watch(what + " (zero-copy: waiting for peers' results)", node_ranks):
+        node.Barrier()

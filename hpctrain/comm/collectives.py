@@ -78,11 +78,20 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
         raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
     algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm))
     dog = watchdog()
-    header = guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo)
+    shared = _find_shared(g, flat.array) if inplace else None
+    if shared is not None and algo == "native" and algorithm == "auto" and g.size > 1 and g.topology.single_node:
+        # data already in the shared window: zero-copy wins from a few KiB up (bench)
+        algo = "shm" if flat.array.nbytes >= plan.SHARED_SMALL_BYTES else "native"
+    header = guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo,
+                               shared[1] + 1 if shared else 0)
     guard.agree(g, header, dog)
     what = guard.describe_header(header) + f" on {g.name}"
     src = flat.array
-    if algo in ("shm", "hierarchical") and src.size:
+    if shared is not None and algo in ("shm", "hierarchical") and src.size:
+        sbuf, offset = shared
+        algorithms.shm_zero_copy_(g, sbuf, offset, src.size, op, flat.dtype_name, dog, what + " zero-copy",
+                                  cross=algo == "hierarchical")
+    elif algo in ("shm", "hierarchical") and src.size:
         out = src if inplace else np.empty_like(src)
         algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical")
     else:
@@ -95,6 +104,40 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
             with dog.watch(what, _all_ranks(g)):
                 algorithms.native_(g.comm, out, op, flat.dtype_name)
     return x if inplace else rebuild(flat, out)
+
+
+def shared_buffer(shape, dtype="float32", group: Optional[Group] = None) -> algorithms.SharedBuffer:
+    """Allocate a buffer in the node's shared window (same shape and dtype on every rank of
+    ``group``; every rank calls this). All-reduces on it, or on contiguous views into it, run
+    zero-copy. ``dtype`` may be a numpy dtype name or "bfloat16"."""
+    g = _sync_start(group)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    dtype_name = str(dtype).replace("torch.", "")
+    np_dtype = np.uint16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    dog = watchdog()
+    header = guard.make_header(0, "allreduce", "-", dtype_name, count, "shm", 0)
+    guard.agree(g, header, dog)
+    with dog.watch(f"shared_buffer({shape}, {dtype_name}) allocation on {g.name}", _all_ranks(g)):
+        sbuf = algorithms.SharedBuffer(g, count, np_dtype, dtype_name)
+    sbuf.array = sbuf.array.reshape(shape)
+    g.shared_buffers.append(sbuf)
+    return sbuf
+
+
+def free_shared_buffer(sbuf: algorithms.SharedBuffer) -> None:
+    """Release a shared buffer (collective over its node); its views become invalid."""
+    if sbuf in sbuf.group.shared_buffers:
+        sbuf.group.shared_buffers.remove(sbuf)
+    sbuf.free()
+
+
+def _find_shared(g: Group, arr: np.ndarray):
+    for sbuf in g.shared_buffers:
+        offset = sbuf.locate(arr)
+        if offset is not None:
+            return sbuf, offset
+    return None
 
 
 # --------------------------------------------------------------------------- gather / scatter

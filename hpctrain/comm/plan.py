@@ -142,6 +142,8 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 # (several nodes) win. See README "Performance".
 SMALL_MESSAGE_BYTES = 256 * 1024
 CROSS_NODE_SMALL_BYTES = 64 * 1024
+# Data already in a shared buffer: the zero-copy path wins from here up.
+SHARED_SMALL_BYTES = 16 * 1024
 
 
 def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto") -> str:

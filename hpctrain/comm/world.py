@@ -59,6 +59,7 @@ class Group:
         self.cross_ring_comm = self.cross_comm.Dup()
         self.seq = 0  # collectives entered, identical on every rank when they agree
         self.shm_arena = None  # created on first shared-memory use
+        self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -75,6 +76,9 @@ class Group:
         return "ranks " + ", ".join(f"{r} (world rank {self.ranks[r]})" for r in group_ranks)
 
     def free(self) -> None:
+        for sbuf in self.shared_buffers:
+            sbuf.free()
+        self.shared_buffers = []
         if self.shm_arena is not None:
             self.shm_arena.free()
             self.shm_arena = None

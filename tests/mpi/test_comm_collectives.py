@@ -167,3 +167,24 @@ def test_mismatched_shapes_raise_on_every_rank():
     with pytest.raises(comm.CollectiveMismatchError, match="float32"):
         comm.allreduce(np.ones(4, dtype=np.float32 if R == 0 else np.float64))
     comm.barrier()  # and the group still works afterwards
+
+
+@pytest.mark.parametrize("algo", ["auto", "shm", "hierarchical"])
+def test_shared_buffer_zero_copy(algo):
+    sbuf = comm.shared_buffer((3, 1001), "float32")
+    sbuf.array[:] = R + 1
+    same = comm.allreduce_(sbuf.array, algorithm=algo)
+    assert same is sbuf.array
+    np.testing.assert_array_equal(sbuf.array, np.full((3, 1001), sum(range(1, N + 1))))
+    # a "bucket" view in the middle, as a torch tensor, averaged
+    t = sbuf.tensor().view(-1)[1000:2500]
+    t.fill_(float(R))
+    comm.allreduce_(t, op="avg", algorithm=algo)
+    assert torch.allclose(t, torch.full((1500,), (N - 1) / 2))
+    assert sbuf.array.reshape(-1)[999] == sum(range(1, N + 1))  # outside the view: untouched
+    bf = comm.shared_buffer(64, "bfloat16")
+    bf.tensor().fill_(1.0)
+    comm.allreduce_(bf.tensor(), algorithm=algo)
+    assert torch.all(bf.tensor().float() == N)
+    comm.free_shared_buffer(bf)
+    comm.free_shared_buffer(sbuf)
