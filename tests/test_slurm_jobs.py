@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hpctrain.slurm.nodelist import expand_nodelist
-from hpctrain.slurm.submit import job_info, sbatch, wait_for_job
+from hpctrain.slurm.submit import sbatch, wait_for_job
 from slurm_fixture import LOCAL_CLUSTER, ROOT, slurm_cluster  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")

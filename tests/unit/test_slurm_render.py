@@ -5,7 +5,6 @@ import os
 import shlex
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -300,3 +299,15 @@ def test_cli_submit_dry_run(tmp_path, capsys):
     text = script.read_text()
     assert f"#SBATCH --output={shlex.quote(str(run_dir / 'slurm-%A_%a.out'))}\n" in text
     assert 'cmd=(echo "${SLURM_ARRAY_TASK_ID}")' in text
+
+
+def test_cli_env(monkeypatch, capsys):
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_COMM_WORLD"))]:
+        monkeypatch.delenv(key)
+    assert main(["slurm", "env"]) == 1
+    assert "not inside a SLURM job" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "cn[3-4]")
+    assert main(["slurm", "env"]) == 0
+    out = capsys.readouterr().out
+    assert '"master_addr": "cn3"' in out and '"launcher": "batch"' in out
