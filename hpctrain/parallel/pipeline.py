@@ -1,0 +1,468 @@
+"""Pipeline execution: one stage of an ``nn.Sequential`` per rank, micro-batches flowing
+through ``hpctrain.comm`` point-to-point messages, GPipe or 1F1B.
+
+Walk of one :meth:`PipelineModule.train_step`:
+
+1. The batch is cut into M micro-batches (rows split as evenly as possible).
+2. The stage walks its program from :mod:`hpctrain.parallel.schedule` (a pure plan, the same
+   on every rank): receive an activation from the previous stage, forward, send the output on;
+   receive the output's gradient from the next stage, backward, send the input's gradient
+   back. The last stage computes the loss of each micro-batch, scaled by its share of the
+   batch (1/M for equal micro-batches), so the accumulated gradient is the full batch's.
+3. Shapes and dtypes of activations are sent once (``send_object``) the first time a
+   micro-batch size is seen; afterwards only raw tensors travel, into reused buffers.
+4. The loss goes from the last stage to every stage (one tiny broadcast), so rank 0 can log it.
+
+Gradients are left in ``.grad`` (summed over micro-batches); the optimizer steps them. In a
+DP × PP job, :func:`hpctrain.parallel.hybrid.distributed_optimizer` averages them over the
+stage's data-parallel group.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from hpctrain import comm
+
+from . import hybrid
+from .partition import BALANCE_MODES, PartitionError, PartitionPlan, plan_partition, split_rows
+from .schedule import (BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Program, make_program,
+                       normalize_schedule, bubble_fraction)
+
+log = logging.getLogger("hpctrain.parallel")
+
+TAG_ACT, TAG_GRAD, TAG_META = 11, 12, 13
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- model → layers
+def sequence_layers(model: Union[nn.Sequential, Sequence[nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """The (name, layer) list a model is split along: an nn.Sequential's children (names as
+    in its state_dict), or a list of modules named '0', '1', … (as ``nn.Sequential(*list)``)."""
+    if isinstance(model, nn.Sequential):
+        return list(model.named_children())
+    if isinstance(model, (list, tuple, nn.ModuleList)) and all(isinstance(m, nn.Module) for m in model):
+        return [(str(i), m) for i, m in enumerate(model)]
+    raise TypeError(f"a pipeline splits an nn.Sequential or a list of nn.Module stages, got {type(model).__name__}.\n"
+                    "HINT: wrap your layers in nn.Sequential(...) in forward order")
+
+
+def parameter_costs(layers: Sequence[Tuple[str, nn.Module]]) -> List[float]:
+    """Parameter count per layer (a parameter shared by two layers counts in the first)."""
+    seen = set()
+    costs = []
+    for _, layer in layers:
+        n = 0
+        for p in layer.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        costs.append(float(n))
+    return costs
+
+
+def measure_layer_times(layers: Sequence[Tuple[str, nn.Module]], sample: torch.Tensor, repeats: int = 3) -> List[float]:
+    """Seconds of forward + backward per layer on ``sample`` (median of ``repeats``), feeding
+    each layer the previous one's output. Runs locally; no communication."""
+    times: List[List[float]] = [[] for _ in layers]
+    for _ in range(max(1, repeats)):
+        x = sample
+        for i, (_, layer) in enumerate(layers):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            y = layer(inp)
+            if y.requires_grad:
+                y.backward(torch.ones_like(y))
+            times[i].append(time.perf_counter() - t0)
+            x = y.detach()
+        for _, layer in layers:
+            layer.zero_grad(set_to_none=True)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+# --------------------------------------------------------------------------- statistics
+@dataclass
+class StepStats:
+    """What one train_step measured on this stage."""
+
+    step_seconds: float = 0.0  # wall time of the schedule on this stage
+    compute_seconds: float = 0.0  # forward + backward (+ loss) time
+    comm_seconds: float = 0.0  # time inside send/recv (waiting included)
+    peak_in_flight: int = 0  # most micro-batches holding activations at once
+    peak_activation_bytes: int = 0  # most bytes held for backward (saved tensors, inputs, outputs)
+    loss: Optional[float] = None
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step on this stage: 1 − compute / wall."""
+        if self.step_seconds <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.compute_seconds / self.step_seconds)
+
+
+class _ActivationMeter:
+    """Counts bytes autograd saves for backward per micro-batch (tensors deduplicated by
+    storage, parameters excluded) plus the stage's input and output tensors."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.param_ptrs = {p.data_ptr() for p in params}
+        self.held: Dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self._seen: set = set()
+        self._bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.param_ptrs and ptr not in self._seen:
+                self._seen.add(ptr)
+                self._bytes += t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
+            pass
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def begin(self, extra: Sequence[Optional[torch.Tensor]]) -> None:
+        self._seen = set()
+        self._bytes = 0
+        for t in extra:
+            if t is not None:
+                self.pack(t)
+
+    def end(self, m: int, extra: Sequence[Optional[torch.Tensor]]) -> None:
+        for t in extra:
+            if t is not None:
+                self.pack(t)
+        self.held[m] = self._bytes
+        self.current += self._bytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, m: int) -> None:
+        self.current -= self.held.pop(m, 0)
+
+
+# --------------------------------------------------------------------------- the module
+class PipelineModule:
+    """One pipeline stage of ``model`` on this rank, and the schedule that trains it.
+
+    ``PipelineModule(model, stages=S, micro_batches=M, schedule="1f1b")`` under a world of
+    ``DP × S`` ranks: rank ``r`` holds stage ``r // DP`` of replica ``r % DP`` (see
+    :mod:`hpctrain.parallel.hybrid`). With ``group=`` the pipeline runs on that group instead
+    (its size must be S, its rank is the stage) and no data-parallel group is made.
+
+    Splitting: ``split_points=[i, j, …]`` (first layer of stages 1…S−1), ``sizes=[n0, n1, …]``
+    (layers per stage) or ``balance="params"`` (default: equal parameter counts) or
+    ``balance="time"`` (equal measured forward+backward time on ``sample_input``; measured on
+    rank 0 and broadcast so every rank plans the same split).
+
+    Bad input (more stages than ranks, a world size not divisible by S, fewer layers than
+    stages, split points out of range, unknown schedule) raises ValueError before any
+    communication — every rank sees the same arguments, so every rank raises.
+    """
+
+    def __init__(self, model: Union[nn.Sequential, Sequence[nn.Module]], stages: int, micro_batches: int = 1,
+                 schedule: str = "1f1b", *, balance: str = "params", split_points: Optional[Sequence[int]] = None,
+                 sizes: Optional[Sequence[int]] = None, sample_input: Optional[torch.Tensor] = None,
+                 group: Any = None, device: Union[str, torch.device, None] = None, broadcast_loss: bool = True,
+                 track_memory: bool = True) -> None:
+        # ---- validation: pure, identical on every rank, before any message
+        layers = sequence_layers(model)
+        self.schedule = normalize_schedule(schedule)
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer ≥ 1, got {micro_batches!r}")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES}, got {balance!r}")
+        if not comm.is_initialized():
+            comm.init()
+        if group is None:
+            layout = hybrid.HybridLayout.build(comm.size(), stages)
+        else:
+            if group.size != stages:
+                raise ValueError(f"the pipeline group has {group.size} ranks but stages={stages}; a pipeline group "
+                                 "holds exactly one rank per stage.\nHINT: pass group=None to split the world into "
+                                 "DP × PP automatically")
+            layout = None
+        costs = parameter_costs(layers)
+        if balance == "time" and split_points is None and sizes is None:
+            if sample_input is None:
+                raise ValueError("balance='time' needs sample_input= (one micro-batch) to time the layers")
+            plan_partition(costs, stages)  # validate the layer count before measuring or talking
+        else:
+            plan = plan_partition(costs, stages, split_points=split_points, sizes=sizes)
+        # ---- communication starts here
+        if group is None:
+            groups = hybrid.make_groups(stages, layout)
+            self.pipeline_group = groups.pipeline_group
+            self.data_parallel_group = groups.data_parallel_group
+            self.replica = groups.replica
+        else:
+            self.pipeline_group = group
+            self.data_parallel_group = None
+            self.replica = 0
+        if balance == "time" and split_points is None and sizes is None:
+            times = measure_layer_times(layers, sample_input) if comm.rank() == 0 else None
+            costs = comm.broadcast_object(times, root=0)
+            plan = plan_partition(costs, stages)
+        self.plan: PartitionPlan = plan
+        self.stages = stages
+        self.stage: int = self.pipeline_group.rank
+        self.micro_batches = micro_batches
+        self.balance = balance
+        self.broadcast_loss = broadcast_loss
+        self.device = torch.device(device) if device is not None else None
+        mine = [layers[i] for i in plan.layers(self.stage)]
+        self.layer_names: List[str] = [name for name, _ in mine]
+        self.module = nn.Sequential(collections.OrderedDict(mine))
+        if self.device is not None:
+            self.module.to(self.device)
+        self.program: Program = make_program(self.schedule, stages, micro_batches)
+        self._ops = self.program.for_stage(self.stage)
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == stages - 1
+        self.track_memory = track_memory
+        # shapes agreed with the neighbours, keyed by micro-batch row count
+        self._sent_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self._recv_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self._out_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self._pool: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.Tensor]] = {}
+        self._grad_bufs: Dict[Tuple[Tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self.last_stats = StepStats()
+        self.steps = 0
+        if comm.rank() == 0:
+            log.info("pipeline: %d stages × %d replicas, %s, M=%d, theoretical bubble %.3f; %s", stages,
+                     comm.size() // stages if group is None else 1, self.schedule, micro_batches,
+                     self.theoretical_bubble, plan.describe())
+
+    # ------------------------------------------------------------------ nn.Module-like surface
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Names as in the original model's state_dict (e.g. '3.weight')."""
+        return self.module.named_parameters()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This stage's tensors under the original model's keys."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> Any:
+        """Load this stage's part; ``state`` may be the full model's state_dict when strict=False."""
+        if not strict:
+            return self.module.load_state_dict(state, strict=False)
+        return self.module.load_state_dict(state)
+
+    def train(self, mode: bool = True) -> "PipelineModule":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "PipelineModule":
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """(S−1)/(M+S−1)."""
+        return bubble_fraction(self.stages, self.micro_batches)
+
+    def __repr__(self) -> str:
+        return (f"PipelineModule(stage {self.stage}/{self.stages}, layers {self.layer_names}, "
+                f"{self.schedule}, M={self.micro_batches})")
+
+    # ------------------------------------------------------------------ wire helpers
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return t.contiguous()
+
+    def _take_buffer(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        free = self._pool.setdefault((shape, dtype), [])
+        return free.pop() if free else torch.empty(shape, dtype=dtype)
+
+    def _give_buffer(self, buf: torch.Tensor) -> None:
+        buf.grad = None
+        self._pool.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+
+    def _send_activation(self, y: torch.Tensor, rows: int) -> None:
+        meta = (tuple(y.shape), y.dtype)
+        known = self._sent_meta.get(rows)
+        if known is None:
+            comm.send_object(meta, self.stage + 1, tag=TAG_META, group=self.pipeline_group)
+            self._sent_meta[rows] = meta
+        elif known != meta:
+            raise ValueError(
+                f"stage {self.stage}: output of a {rows}-row micro-batch is {meta[0]} {meta[1]}, but an earlier "
+                f"{rows}-row micro-batch gave {known[0]} {known[1]}. Activation shapes between stages must depend "
+                "only on the micro-batch size.\nHINT: pad variable-length inputs to a fixed shape")
+        comm.send(y, self.stage + 1, tag=TAG_ACT, group=self.pipeline_group)
+
+    def _recv_activation(self, rows: int) -> torch.Tensor:
+        meta = self._recv_meta.get(rows)
+        if meta is None:
+            meta = comm.recv_object(self.stage - 1, tag=TAG_META, group=self.pipeline_group)
+            shape, dtype = meta
+            if not dtype.is_floating_point:
+                raise ValueError(f"stage {self.stage} receives a {dtype} activation from stage {self.stage - 1}; "
+                                 "activations between stages must be floating point (gradients flow back).\n"
+                                 "HINT: move the embedding/int-producing layer into the same stage as its consumer")
+            self._recv_meta[rows] = meta
+        buf = self._take_buffer(*meta)
+        comm.recv(buf, self.stage - 1, tag=TAG_ACT, group=self.pipeline_group)
+        return buf
+
+    def _recv_gradient(self, rows: int) -> torch.Tensor:
+        shape, dtype = self._sent_meta[rows]
+        buf = self._grad_bufs.get((shape, dtype))
+        if buf is None:
+            buf = self._grad_bufs[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+        comm.recv(buf, self.stage + 1, tag=TAG_GRAD, group=self.pipeline_group)
+        return buf
+
+    # ------------------------------------------------------------------ one step
+    def _rows(self, batch: Optional[torch.Tensor], targets: Any) -> int:
+        if self.is_first and batch is None:
+            raise ValueError("stage 0 needs the batch: train_step(batch, targets, loss_fn)")
+        if self.is_last and targets is None:
+            raise ValueError(f"the last stage ({self.stage}) needs the targets: train_step(batch, targets, loss_fn)")
+        ref = batch if batch is not None else targets
+        if ref is None:
+            raise ValueError(f"stage {self.stage} got neither batch nor targets; pass them on every stage (the "
+                             "micro-batch sizes are taken from their first dimension)")
+        rows = len(ref)
+        if batch is not None and targets is not None and len(targets) != len(batch):
+            raise ValueError(f"batch has {len(batch)} rows but targets {len(targets)}")
+        return rows
+
+    def train_step(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Forward and backward of one batch through the whole pipeline; gradients accumulate
+        in this stage's ``.grad``. Returns the batch's mean loss (on every stage when
+        ``broadcast_loss``, else on the last stage and NaN elsewhere).
+
+        ``loss_fn(output, targets)`` must return the mean over the micro-batch. Pass the same
+        ``batch`` and ``targets`` on every stage of a pipeline (stage 0 uses the batch, the last
+        stage the targets; the others only their length).
+        """
+        rows = self._rows(batch, targets)
+        ranges = split_rows(rows, self.micro_batches)
+        dev = self.device
+        if batch is not None and self.is_first:
+            chunks = [batch[a:b] if dev is None else batch[a:b].to(dev) for a, b in ranges]
+        if targets is not None and self.is_last:
+            tchunks = [targets[a:b] if dev is None else targets[a:b].to(dev) for a, b in ranges]
+        meter = _ActivationMeter(list(self.module.parameters())) if self.track_memory else None
+        inputs: Dict[int, torch.Tensor] = {}  # received buffers (leaves requiring grad)
+        outputs: Dict[int, torch.Tensor] = {}  # stage outputs kept for backward
+        losses: Dict[int, torch.Tensor] = {}
+        to_send: Dict[int, torch.Tensor] = {}
+        grads_out: Dict[int, torch.Tensor] = {}
+        pending_grad: Dict[int, torch.Tensor] = {}
+        total_loss = torch.zeros((), dtype=torch.float64)
+        compute = comm_time = 0.0
+        in_flight = peak_in_flight = 0
+        t_start = time.perf_counter()
+        for op in self._ops:
+            m = op.micro_batch
+            mrows = ranges[m][1] - ranges[m][0]
+            t0 = time.perf_counter()
+            if op.kind == RECV_ACT:
+                buf = self._recv_activation(mrows)
+                inputs[m] = buf.requires_grad_(True)
+                comm_time += time.perf_counter() - t0
+            elif op.kind == FWD:
+                if self.is_first:
+                    x = chunks[m]
+                else:
+                    x = inputs[m] if dev is None else inputs[m].detach().to(dev).requires_grad_(True)
+                    if dev is not None:
+                        inputs[m] = x
+                if meter is not None:
+                    meter.begin([])
+                    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                        y = self.module(x)
+                        if self.is_last:
+                            loss = loss_fn(y, tchunks[m])
+                else:
+                    y = self.module(x)
+                    if self.is_last:
+                        loss = loss_fn(y, tchunks[m])
+                if not isinstance(y, torch.Tensor):
+                    raise TypeError(f"stage {self.stage} returned {type(y).__name__}; a pipeline stage must return "
+                                    "one tensor")
+                if self.is_last:
+                    if loss.dim() != 0:
+                        raise ValueError(f"loss_fn returned shape {tuple(loss.shape)}; it must return a scalar "
+                                         "(the mean over the micro-batch)")
+                    scaled = loss * (mrows / rows)
+                    losses[m] = scaled
+                    total_loss += scaled.detach().double().cpu()
+                else:
+                    outputs[m] = y
+                    to_send[m] = self._wire(y)
+                if meter is not None:
+                    meter.end(m, [x if not self.is_first else None, y])
+                in_flight += 1
+                peak_in_flight = max(peak_in_flight, in_flight)
+                compute += time.perf_counter() - t0
+            elif op.kind == SEND_ACT:
+                self._send_activation(to_send.pop(m), mrows)
+                comm_time += time.perf_counter() - t0
+            elif op.kind == RECV_GRAD:
+                # the gradient buffer is reused: the program never receives another gradient
+                # before this micro-batch's backward
+                pending_grad[m] = self._recv_gradient(mrows)
+                comm_time += time.perf_counter() - t0
+            elif op.kind == BWD:
+                if self.is_last:
+                    losses.pop(m).backward()
+                else:
+                    g = pending_grad.pop(m)
+                    outputs.pop(m).backward(g if dev is None else g.to(dev))
+                self._after_backward(m, inputs, grads_out, meter)
+                in_flight -= 1
+                compute += time.perf_counter() - t0
+            elif op.kind == SEND_GRAD:
+                comm.send(grads_out.pop(m), self.stage - 1, tag=TAG_GRAD, group=self.pipeline_group)
+                buf = inputs.pop(m)
+                if dev is None:
+                    self._give_buffer(buf)
+                comm_time += time.perf_counter() - t0
+            else:  # pragma: no cover - the planner only emits the kinds above
+                raise AssertionError(op)
+        step = time.perf_counter() - t_start
+        assert not outputs and not losses and not to_send and not grads_out, "pipeline program left work behind"
+        loss_value = total_loss
+        if self.broadcast_loss and self.stages > 1:
+            loss_value = comm.broadcast(total_loss.reshape(1), root=self.stages - 1, group=self.pipeline_group)[0]
+        elif not self.is_last:
+            loss_value = torch.tensor(float("nan"), dtype=torch.float64)
+        self.steps += 1
+        self.last_stats = StepStats(step, compute, comm_time, peak_in_flight, meter.peak if meter else 0,
+                                    float(loss_value))
+        return loss_value
+
+    def _after_backward(self, m: int, inputs: Dict[int, torch.Tensor], grads_out: Dict[int, torch.Tensor],
+                        meter: Optional[_ActivationMeter]) -> None:
+        if meter is not None:
+            meter.release(m)
+        if self.is_first:
+            return
+        x = inputs[m]
+        g = x.grad
+        if g is None:  # the stage ignored its input; the previous stage still expects a gradient
+            g = torch.zeros_like(x)
+        grads_out[m] = self._wire(g)
+        if self.device is not None:
+            inputs[m] = x.detach()
