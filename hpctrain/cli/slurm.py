@@ -27,7 +27,7 @@ EXAMPLES = """examples:
   hpctrain slurm render gpu-multi-node --nodes 4 --gpus-per-node 8 --cpus-per-task 12 \\
       --module cuda/12.4 --venv ~/venvs/hpc -- hpctrain train config.yaml
   hpctrain slurm submit cpu-mpi --launcher mpirun --run-dir runs/try1 -- hpctrain selfcheck
-  hpctrain slurm render data-shard-array --array 0-15 -- hpctrain data shard big.h5 --only {task} --num-shards 16 --out shards/
+  hpctrain slurm render data-shard-array --array 0-15 -- hpctrain data shard raw/part{task}.h5 --num-shards 8 --out shards/part{task}
 """
 
 

@@ -48,8 +48,8 @@ GOLDEN_SPECS = {
     "data-shard-array": dict(array="0-15%4", cpus_per_task=4, venv="/opt/venv", job_name="shard"),
 }
 GOLDEN_COMMANDS = {
-    "data-shard-array": ["hpctrain", "data", "shard", "big.h5", "--only", "{task}", "--num-shards",
-                         "{task_count}", "--out", "shards/"],
+    "data-shard-array": ["hpctrain", "data", "shard", "raw/part{task}.h5", "--num-shards", "8",
+                         "--out", "shards/part{task}", "--keys", "x,y"],
 }
 
 
