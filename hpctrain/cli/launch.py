@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.np < 1:
         raise SystemExit(f"hpctrain launch: -n must be at least 1, got {args.np}")
     exe = args.mpiexec or find_mpiexec()
-    env = dict(os.environ)
+    from hpctrain.malloc_tuning import child_env
+
+    env = child_env(os.environ)
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

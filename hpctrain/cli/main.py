@@ -64,6 +64,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     from hpctrain.comm.abort import run_or_abort
+    from hpctrain.malloc_tuning import tune_this_process
+
+    tune_this_process()
 
     return run_or_abort(args.func, args)
 
