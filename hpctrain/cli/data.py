@@ -165,11 +165,11 @@ def run(args: argparse.Namespace) -> int:
         return args.data_func(args)
     except DataError as exc:
         print(f"hpctrain data {args.data_verb}: error: {exc}", file=sys.stderr)
-        from hpctrain.comm import world
+        from hpctrain import comm
 
-        if world.is_initialized() and world.size() > 1:
+        if comm.is_initialized() and comm.size() > 1:
             sys.stderr.flush()
-            world.abort_job(2)  # the other ranks may wait in a collective: end them too
+            comm.abort_job(2)  # the other ranks may wait in a collective: end them too
         return 2
 
 

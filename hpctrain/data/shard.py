@@ -101,7 +101,6 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
     """
     if num_shards < 1:
         raise ConfigError(f"--num-shards must be at least 1, got {num_shards}")
-    os.makedirs(out_dir, exist_ok=True)
     written: List[str] = []
     with open_h5(src) as f:
         keys = sample_keys(f, src, keys)
@@ -114,6 +113,7 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
         parent_sums = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in parent_sums.items() if v is not None}
         parent_chunks = {k: list(f[k].chunks) if f[k].chunks else None for k in keys}
         ranges = shard_ranges(n, num_shards)
+        os.makedirs(out_dir, exist_ok=True)
         mine = list(range(rank, num_shards, size))
         total = sum((ranges[i][1] - ranges[i][0]) * sum(f[k].dtype.itemsize *
                     int(np.prod(f[k].shape[1:], dtype=np.int64)) for k in keys) for i in mine)

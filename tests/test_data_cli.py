@@ -1,0 +1,101 @@
+"""`hpctrain data ...`, the data_tools scripts and `hpctrain bench data`, run as users run them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from mpirun import ROOT, run_mpi
+
+HPCTRAIN = [sys.executable, "-m", "hpctrain.cli.main"]
+
+
+def run(argv, cwd, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_pack_shard_inspect_verify_merge(tmp_path):
+    r = run(HPCTRAIN + ["data", "pack", "digits", "--out", "d.h5", "--compression", "gzip", "--shuffle",
+                        "--fletcher32", "--chunk-rows", "100"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "1797 samples" in r.stdout
+    assert r.stderr == ""  # no progress bar when stderr is not a terminal
+
+    # The scripts: inspect.py must not shadow the standard library's inspect module.
+    r = run([sys.executable, str(ROOT / "data_tools" / "shard.py"), "d.h5", "--num-shards", "4", "--out", "sh"],
+            tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run([sys.executable, str(ROOT / "data_tools" / "inspect.py"), "sh", "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["num_samples"] == 1797 and report["num_files"] == 4
+    assert [f["num_samples"] for f in report["files"]] == [450, 449, 449, 449]
+    assert report["files"][0]["datasets"]["x"]["compression"] == "gzip"
+
+    r = run([sys.executable, str(ROOT / "data_tools" / "verify.py"), "sh", "d.h5"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all files OK" in r.stdout
+
+    r = run([sys.executable, str(ROOT / "data_tools" / "merge.py"), "sh", "--out", "m.h5"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "d.h5") as a, h5py.File(tmp_path / "m.h5") as b:
+        for k in ("x", "y"):
+            assert a[k][()].tobytes() == b[k][()].tobytes() and a[k].chunks == b[k].chunks
+        assert dict(a.attrs) == dict(b.attrs)
+
+    # verify exits non-zero on a problem (a changed value under an intact chunk checksum).
+    with h5py.File(tmp_path / "m.h5", "r+") as f:
+        f["x"][3, 3] = np.nan
+    r = run([sys.executable, str(ROOT / "data_tools" / "verify.py"), "m.h5", "--json"], tmp_path)
+    assert r.returncode == 1
+    problems = json.loads(r.stdout)["files"][0]["problems"]
+    assert any("checksum mismatch" in p for p in problems) and any("1 NaN" in p for p in problems)
+
+
+def test_bad_input_is_one_clear_error(tmp_path):
+    (tmp_path / "notes.h5").write_text("not hdf5")
+    r = run([sys.executable, str(ROOT / "data_tools" / "shard.py"), "notes.h5", "-n", "2", "-o", "out"], tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "notes.h5: not an HDF5 file" in r.stderr and "HINT:" in r.stderr
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+    r = run(HPCTRAIN + ["data", "pack", "missing.npy", "--out", "o.h5"], tmp_path)
+    assert r.returncode == 2 and "missing.npy: no such file" in r.stderr
+    assert not (tmp_path / "o.h5").exists()
+    r = run(HPCTRAIN + ["data", "inspect", "missing.h5"], tmp_path)
+    assert r.returncode == 1 and "no such file" in r.stdout
+    r = run(HPCTRAIN + ["data", "--help"], tmp_path)
+    assert r.returncode == 0 and "hpctrain data shard train.h5 --num-shards 8" in r.stdout
+
+
+def test_shard_under_mpiexec(tmp_path):
+    np.save(tmp_path / "x.npy", np.arange(1000, dtype=np.float32).reshape(100, 10))
+    r = run(HPCTRAIN + ["data", "pack", "x.npy", "--out", "p.h5"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    res = run_mpi(2, HPCTRAIN + ["data", "shard", str(tmp_path / "p.h5"), "-n", "5", "-o", str(tmp_path / "s")],
+                  timeout=240)
+    assert res.returncode == 0, res.stdout
+    assert "wrote 5 shards" in res.stdout and "(2 ranks)" in res.stdout
+    assert sorted(os.listdir(tmp_path / "s")) == [f"p-{i:05d}-of-00005.h5" for i in range(5)]
+
+
+def test_bench_data_runs(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run(HPCTRAIN + ["bench", "data", "--size", "8MiB", "--repeats", "1", "--naive-seconds", "0.2",
+                        "--dir", str(tmp_path), "--features", "64", "--chunk-rows", "256", "--batch-size", "128",
+                        "--json", str(out)], tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "| none | hpctrain loader |" in r.stdout and "| lzf | naive dset[i] |" in r.stdout
+    records = json.loads(out.read_text())["records"]
+    assert {(x["compression"], x["method"]) for x in records} == {
+        (c, m) for c in ("none", "lzf") for m in ("raw 64 MiB slabs", "hpctrain loader", "naive dset[i]")}
+    assert all(x["samples_per_s"] > 0 for x in records)
+    # A second run reuses the generated files.
+    files = sorted(p.name for p in Path(tmp_path).glob("bench-*.h5"))
+    assert len(files) == 2
