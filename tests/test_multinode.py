@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import pytest
 
-from cluster import multinode_cluster, python_argv, run_mpi_on_cluster  # noqa: F401 (fixture)
+from cluster import multinode_cluster, multinode_slurm, python_argv, run_mpi_on_cluster  # noqa: F401 (fixtures)
 
 SCRIPTS = Path(__file__).resolve().parent / "cluster" / "scripts"
 
@@ -107,3 +107,87 @@ def test_comm_across_nodes(multinode_cluster, layout):
         env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60", "HPCTRAIN_TEST_LAYOUT": spec},
     )
     assert proc.returncode == 0, f"mpi_checks.py at {layout} ({spec}) failed, rc={proc.returncode}:\n{proc.stdout[-12000:]}"
+
+
+def test_bench_allreduce_reports_two_nodes(multinode_cluster, tmp_path):
+    """`hpctrain bench allreduce` at 2 × 2: runs, names the layout, compares ring,
+    hierarchical and native side by side (tiny sizes: a smoke test, not a measurement)."""
+    out_json = tmp_path / "bench.json"
+    argv = [str(Path(python_argv()[0]).parent / "hpctrain"), "bench", "allreduce",
+            "--sizes", "4KiB,256KiB", "--algos", "mpi,native,ring,hierarchical,auto",
+            "--iters", "2", "--warmup", "1", "--repeats", "1", "--json", str(out_json)]
+    proc = run_mpi_on_cluster("node1:2,node2:2", argv, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    assert "ranks=4 nodes=2 layout: node1:[0, 1]  node2:[2, 3]" in proc.stdout, proc.stdout[-4000:]
+    records = json.loads(out_json.read_text())
+    seen = {(r["algo"], r["bytes"]) for r in records}
+    for algo in ("mpi", "native", "ring", "hierarchical", "auto"):
+        for nbytes in (4096, 262144):
+            assert (algo, nbytes) in seen, f"no {algo} at {nbytes} B in {sorted(seen)}"
+    chosen = {r["bytes"]: r["chosen"] for r in records if r["algo"] == "auto"}
+    assert chosen[262144] == "hierarchical", chosen  # auto across nodes, above the small-message cut
+
+
+# --------------------------------------------------------------------------- multi-node SLURM
+SLURM_CASES = {
+    # name: (template options, expected hostname per rank)
+    "srun-2x2": (["--launcher", "srun", "--nodes", "2", "--tasks-per-node", "2"], ["node1", "node1", "node2", "node2"]),
+    "mpirun-2x2": (["--launcher", "mpirun", "--nodes", "2", "--tasks-per-node", "2"], ["node1", "node1", "node2", "node2"]),
+    "srun-3x1": (["--launcher", "srun", "--nodes", "3", "--tasks-per-node", "1"], ["node1", "node2", "node3"]),
+}
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(multinode_slurm, tmp_path_factory):
+    """Submit every multi-node job up front (`hpctrain slurm submit cpu-mpi`, run on node1 as a
+    user would on a login node); the tests then wait for their own."""
+    from cluster import slurm_on_cluster
+
+    import sys as _sys
+
+    jobs = {}
+    for name, (options, _) in SLURM_CASES.items():
+        run_dir = tmp_path_factory.mktemp(f"slurm-{name}")
+        argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--run-dir", str(run_dir),
+                           "--venv", _sys.prefix, "--time", "5", "--job-name", name, *options,
+                           "--", _sys.executable, str(SCRIPTS / "slurm_layout.py"))
+        proc = slurm_on_cluster(argv, timeout=60)
+        assert proc.returncode == 0, f"submit {name} failed:\n{proc.stdout}"
+        jobs[name] = (int(proc.stdout.strip().splitlines()[-1]), run_dir)
+    return jobs
+
+
+MPIRUN_NODE_RANK_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="hpctrain.slurm.env under mpirun takes OMPI_COMM_WORLD_NODE_RANK as the node index, but "
+           "Open MPI sets it to the rank among the processes on the node (0,1,0,1 at 2x2, not 0,0,1,1); "
+           "found by this test — remove this mark when hpctrain/slurm/env.py is fixed",
+)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=MPIRUN_NODE_RANK_BUG) if c.startswith("mpirun") else c
+                                  for c in sorted(SLURM_CASES)])
+def test_slurm_cpu_template_across_nodes(slurm_jobs, case):
+    from cluster import wait_job_on_cluster
+
+    job, run_dir = slurm_jobs[case]
+    info = wait_job_on_cluster(job, timeout=120)
+    logs = "".join(p.read_text() for p in sorted(run_dir.glob("*.out")) + sorted(run_dir.glob("*.err")))
+    assert info.get("JobState") == "COMPLETED", f"job {job} ({case}): {info}\n{logs[-6000:]}"
+    expected_hosts = SLURM_CASES[case][1]
+    hosts = sorted(set(expected_hosts))
+    layout_lines = [line for line in logs.splitlines() if line.startswith("SLURM-LAYOUT ")]
+    assert len(layout_lines) == 1, logs[-6000:]
+    rows = json.loads(layout_lines[0][len("SLURM-LAYOUT "):])
+    assert [r["hostname"] for r in rows] == expected_hosts, rows
+    per_node = len(expected_hosts) // len(hosts)
+    for r in rows:
+        node_index = hosts.index(r["hostname"])
+        assert (r["local_size"], r["cross_rank"], r["cross_size"]) == (per_node, node_index, len(hosts)), r
+        s = r["slurm"]
+        assert s is not None, r
+        # SLURM's view and MPI's agree on where every rank is.
+        assert (s["rank"], s["size"], s["local_rank"]) == (r["rank"], len(rows), r["local_rank"]), r
+        assert (s["node_rank"], s["num_nodes"], s["nodes"]) == (node_index, len(hosts), hosts), r
+        assert s["master_addr"] == "node1", r
+        assert r["auto"] == "hierarchical" and r["allreduce_ok"], r

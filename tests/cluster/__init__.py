@@ -36,10 +36,25 @@ ROOT = HERE.parent.parent
 CLUSTER_SH = HERE / "cluster.sh"
 RUN_ON_NODE = HERE / "run-on-node"
 MPI_AGENT = HERE / "mpi-agent"
+SLURM_CLUSTER_SH = HERE / "slurm-cluster.sh"
+STATE_DIR = Path(os.environ.get("HPCTRAIN_CLUSTER_DIR", "/run/hpctrain-cluster"))
+SLURM_CONF = STATE_DIR / "slurm" / "slurm.conf"
 NODES_NEEDED = 3  # the tests use 2 × 2 (node1, node2) and 3 × 1 (node1..node3)
 REQUIRE_VAR = "HPCTRAIN_REQUIRE_MULTINODE"
 
 _HOSTS_ITEM = re.compile(r"^(node[1-9][0-9]?)(?::([1-9][0-9]*))?$")
+
+
+def _report(request: Optional[pytest.FixtureRequest], text: str) -> None:
+    """Print past pytest's output capture (a skip reason is otherwise shown only with -rs)."""
+    if request is None:
+        return
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(text)
 
 
 def require_multinode() -> bool:
@@ -47,10 +62,11 @@ def require_multinode() -> bool:
     return os.environ.get(REQUIRE_VAR, "") == "1"
 
 
-def skip_or_fail(reason: str) -> None:
+def skip_or_fail(reason: str, request: Optional[pytest.FixtureRequest] = None) -> None:
     """Skip the calling test with ``reason``, or fail it when multi-node runs are required."""
     if require_multinode():
-        pytest.fail(f"multi-node cluster required ({REQUIRE_VAR}=1) but unavailable: {reason}")
+        pytest.fail(f"multi-node cluster required ({REQUIRE_VAR}=1) but unavailable: {reason}", pytrace=False)
+    _report(request, f"\nSKIP multi-node tests: {reason}")
     pytest.skip(f"multi-node cluster unavailable: {reason}")
 
 
@@ -254,7 +270,7 @@ def _release() -> None:
 
 
 @pytest.fixture(scope="session")
-def multinode_cluster() -> Iterator[List[str]]:
+def multinode_cluster(request: pytest.FixtureRequest) -> Iterator[List[str]]:
     """Start the local cluster (node1..node3) for this session; yields the node names.
 
     Skips with the reason where the machine cannot run it (fails when
@@ -263,12 +279,82 @@ def multinode_cluster() -> Iterator[List[str]]:
     """
     ok, reason = cluster_available()
     if not ok:
-        skip_or_fail(reason)
+        skip_or_fail(reason, request)
     try:
         nodes = _acquire(NODES_NEEDED)
     except RuntimeError as exc:
-        skip_or_fail(str(exc))
+        skip_or_fail(str(exc), request)
     try:
         yield nodes
     finally:
         _release()
+
+
+# --------------------------------------------------------------------------- multi-node SLURM
+def slurm_unavailable_reason() -> Optional[str]:
+    """None when this machine has what the multi-node SLURM needs; otherwise why not."""
+    proc = subprocess.run(["bash", str(SLURM_CLUSTER_SH), "check"], capture_output=True, text=True, timeout=30)
+    return None if proc.returncode == 0 else (proc.stdout + proc.stderr).strip()
+
+
+def slurm_on_cluster(argv: Sequence[str], timeout: float = 60, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """A SLURM client command (sbatch, squeue, scontrol, hpctrain slurm submit …) on node1,
+    the cluster's login node, with this cluster's ``SLURM_CONF``."""
+    return run_on_node("node1", argv, timeout=timeout, env={"SLURM_CONF": str(SLURM_CONF), **(env or {})})
+
+
+def job_info_on_cluster(job_id: int) -> Dict[str, str]:
+    """``scontrol show job -o ID`` as a dict (empty when SLURM no longer knows the job)."""
+    proc = slurm_on_cluster(["scontrol", "show", "job", "-o", str(job_id)], timeout=30)
+    info: Dict[str, str] = {}
+    if proc.returncode != 0:
+        return info
+    for word in proc.stdout.split():
+        key, sep, value = word.partition("=")
+        if sep and key not in info:
+            info[key] = value
+    return info
+
+
+def wait_job_on_cluster(job_id: int, timeout: float = 120) -> Dict[str, str]:
+    """Poll until the job ends; returns its scontrol record (JobState COMPLETED, FAILED, …).
+    Cancels it and returns the last record (JobState as seen) when ``timeout`` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    info: Dict[str, str] = {}
+    while time.monotonic() < deadline:
+        info = job_info_on_cluster(job_id)
+        if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                    "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"):
+            return info
+        time.sleep(0.5)
+    slurm_on_cluster(["scancel", str(job_id)], timeout=30)
+    info = dict(info)
+    info["TimedOut"] = f"still {info.get('JobState')} after {timeout}s; cancelled"
+    return info
+
+
+_slurm_started_here = False
+
+
+@pytest.fixture(scope="session")
+def multinode_slurm(multinode_cluster, request: pytest.FixtureRequest) -> Iterator[List[str]]:
+    """slurmctld on node1 and a slurmd on every node of the cluster (node1..node3), with this
+    cluster's own SLURM_CONF and munged. Yields the node names; clients go through
+    ``slurm_on_cluster``. Skips (or fails, with HPCTRAIN_REQUIRE_MULTINODE=1) without SLURM."""
+    global _slurm_started_here
+    reason = slurm_unavailable_reason()
+    if reason:
+        skip_or_fail(f"multi-node SLURM: {reason}", request)
+    if not SLURM_CONF.exists():
+        proc = subprocess.run(["bash", str(CLUSTER_SH), "start", "--nodes", str(len(multinode_cluster)), "--slurm"],
+                              capture_output=True, text=True, timeout=180)
+        if proc.returncode != 0:
+            skip_or_fail(f"multi-node SLURM did not start:\n{proc.stdout}{proc.stderr}", request)
+        _slurm_started_here = True
+    yield multinode_cluster
+    if _slurm_started_here and STATE_DIR.exists() and not os.environ.get("HPCTRAIN_KEEP_CLUSTER"):
+        # The cluster fixture's own teardown stops SLURM too; this covers a reused cluster.
+        subprocess.run(["bash", str(SLURM_CLUSTER_SH), "stop"], capture_output=True, text=True, timeout=120)
+        _slurm_started_here = False

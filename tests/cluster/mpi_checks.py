@@ -141,6 +141,11 @@ def test_allreduce_sum_matches_mpi(world, algorithm):
         for length in lengths():
             vals = rank_data(length, dtype, world.rank)
             expected = reference(length, world.rank, "sum")
+            if length == BIG and (
+                (algorithm == "native" and dtype in ("float64", "int32", "int64"))  # MPI against itself
+                or (algorithm == "auto" and dtype not in ("float32", "bfloat16"))  # = hierarchical
+            ):
+                continue  # keeps the module fast; these paths are covered at the other lengths
             x = as_input(vals, dtype)
             before = to_float64(x).copy()
             out = comm.allreduce(x, op="sum", algorithm=algorithm)

@@ -39,14 +39,35 @@ live_pid() {
   echo "$pid"
 }
 
-stop_pid() {
-  local file=$1 prog=$2 pid
-  pid=$(live_pid "$file" "$prog") || { rm -f "$file"; return 0; }
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 100); do [ -d "/proc/$pid" ] || { rm -f "$file"; return 0; }; sleep 0.1; done
-  say "$prog (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL"
-  kill -9 "$pid" 2>/dev/null || true
-  rm -f "$file"
+# Stop daemons given as PIDFILE:PROGRAM pairs: SIGTERM to all at once (each takes ~1-2 s to
+# exit), SIGKILL to any still alive after 10 s. Only pids from our own pid files, never by name.
+stop_pids() {
+  local spec file prog pid pids=()
+  for spec in "$@"; do
+    file=${spec%%:*}; prog=${spec##*:}
+    if pid=$(live_pid "$file" "$prog"); then
+      kill "$pid" 2>/dev/null || true
+      pids+=("$pid")
+    fi
+  done
+  local alive
+  for _ in $(seq 100); do
+    alive=()
+    for pid in "${pids[@]}"; do [ -d "/proc/$pid" ] && alive+=("$pid"); done
+    [ ${#alive[@]} = 0 ] && break
+    sleep 0.1
+  done
+  if [ ${#alive[@]} != 0 ]; then
+    say "pids ${alive[*]} ignored SIGTERM for 10 s; sending SIGKILL"
+    kill -9 "${alive[@]}" 2>/dev/null || true
+  fi
+  for spec in "$@"; do rm -f "${spec%%:*}"; done
+}
+
+slurmd_specs() {
+  local f
+  for f in "$SDIR"/slurmd.node*.pid; do [ -e "$f" ] && echo "$f:slurmd"; done
+  return 0
 }
 
 missing_reason() {
@@ -158,8 +179,8 @@ cmd_start() {
   start_munge
   if [ $changed = 1 ]; then
     # A new node count or setting: restart everything (slurmctld keeps no state worth keeping).
-    for f in "$SDIR"/slurmd.node*.pid; do [ -e "$f" ] && stop_pid "$f" slurmd; done
-    stop_pid "$CTLD_PID" slurmctld
+    # shellcheck disable=SC2046
+    stop_pids $(slurmd_specs) "$CTLD_PID:slurmctld"
   fi
   if ! live_pid "$CTLD_PID" slurmctld >/dev/null; then
     "$HERE/run-on-node" node1 env SLURM_CONF="$CONF" slurmctld 9>&- \
@@ -186,10 +207,9 @@ cmd_stop() {
       for _ in $(seq 50); do [ -z "$(client squeue -h -t R,CG -o %i 2>/dev/null)" ] && break; sleep 0.2; done
     fi
   fi
-  local f
-  for f in "$SDIR"/slurmd.node*.pid; do [ -e "$f" ] && stop_pid "$f" slurmd; done
-  stop_pid "$CTLD_PID" slurmctld
-  stop_pid "$MUNGE_PID" munged
+  # shellcheck disable=SC2046
+  stop_pids $(slurmd_specs) "$CTLD_PID:slurmctld"
+  stop_pids "$MUNGE_PID:munged"
   rm -rf "$SDIR"
   say "stopped"
 }
