@@ -1,0 +1,491 @@
+"""Typed, validated training configuration: dataclasses, a YAML loader and ``--set`` overrides.
+
+Precedence: defaults < YAML file < ``--set key=value`` (dotted keys, e.g.
+``--set optimizer.lr=0.05``) — nothing hidden. Unknown keys are an error that lists the
+valid ones (a typo never silently falls back to a default). Runtime objects (communicator,
+model, device) are never stored here; :class:`TrainConfig` is plain data that round-trips
+through :meth:`TrainConfig.to_dict` / :func:`config_from_dict` (checkpoints store it).
+
+Every key is documented in docs/train.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+__all__ = [
+    "ConfigError", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig", "SyncConfig",
+    "EvalConfig", "CheckpointConfig", "DebugConfig", "TrainConfig", "load_config", "config_from_dict",
+    "apply_overrides", "parse_override", "valid_keys",
+]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "step")
+LR_SCALING = ("linear", "sqrt", "none")
+STRATEGIES = ("allreduce", "parameter_server", "model_average")
+COMPRESSIONS = ("none", "fp16", "bf16")
+BACKENDS = ("mpi", "gloo", "nccl", "horovod")
+POLICIES = ("contiguous", "strided", "weighted")
+METRICS = ("accuracy", "loss")
+LOSSES = ("cross_entropy", "mse")
+ON_NAN = ("stop", "skip")
+BALANCE = ("off", "auto")
+DICT_KEYS = ("model.kwargs", "data.keys", "data.dtypes")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message says what was seen, expected, and the fix."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _choice(name: str, value: str, choices: Sequence[str]) -> None:
+    _need(value in choices, f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """``factory``: ``"package.module:function"`` or ``"path/to/file.py:function"``; called with
+    ``kwargs`` and must return a ``torch.nn.Module``."""
+
+    factory: str = "hpctrain.train.models:mlp"
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        mod, sep, fn = self.factory.rpartition(":")
+        _need(bool(sep and mod and fn and fn.isidentifier()),
+              f"model.factory: {self.factory!r} is not 'module:function' "
+              "(e.g. 'hpctrain.train.models:mlp' or 'examples/models.py:cnn')")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """HDF5 inputs. Paths may be files, directories or globs; relative paths are taken from
+    the directory of the YAML file."""
+
+    train: List[str] = field(default_factory=list)
+    test: List[str] = field(default_factory=list)
+    keys: Dict[str, str] = field(default_factory=lambda: {"x": "x", "y": "y"})
+    dtypes: Dict[str, str] = field(default_factory=lambda: {"x": "float32", "y": "int64"})
+    policy: str = "contiguous"
+    shuffle: bool = True
+    drop_last: bool = True
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        _need(bool(self.train), "data.train: no training files given; expected a list of HDF5 paths, "
+              "e.g. data: {train: [shards/]}")
+        _need(set(self.keys) == {"x", "y"}, f"data.keys: expected exactly the roles 'x' and 'y' "
+              f"(mapping to dataset names), got {sorted(self.keys)}")
+        _need(set(self.dtypes) <= {"x", "y"}, f"data.dtypes: roles must be 'x'/'y', got {sorted(self.dtypes)}")
+        _choice("data.policy", self.policy, POLICIES)
+        _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """``lr`` is the single-rank learning rate; ``lr_scaling`` (top level) scales it."""
+
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _choice("optimizer.name", self.name, OPTIMIZERS)
+        _need(self.lr > 0 and math.isfinite(self.lr), f"optimizer.lr: {self.lr} must be a positive number")
+        _need(0 <= self.momentum < 1, f"optimizer.momentum: {self.momentum} must be in [0, 1)")
+        _need(self.weight_decay >= 0, f"optimizer.weight_decay: {self.weight_decay} must be >= 0")
+        _need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+              f"optimizer.betas: {self.betas} must be two numbers in [0, 1)")
+        _need(not self.nesterov or (self.name == "sgd" and self.momentum > 0),
+              "optimizer.nesterov: needs name: sgd and momentum > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig:
+    """Learning-rate schedule per optimizer step: linear warm-up over ``warmup_steps``, then
+    ``constant``, ``cosine`` (down to ``min_factor`` x lr at the last step) or ``step``
+    (multiply by ``gamma`` every ``step_size`` steps)."""
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_factor: float = 0.0
+    step_size: int = 1000
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice("schedule.kind", self.kind, SCHEDULES)
+        _need(self.warmup_steps >= 0, f"schedule.warmup_steps: {self.warmup_steps} < 0")
+        _need(0 <= self.min_factor <= 1, f"schedule.min_factor: {self.min_factor} must be in [0, 1]")
+        _need(self.step_size >= 1, f"schedule.step_size: {self.step_size} must be >= 1")
+        _need(0 < self.gamma <= 1, f"schedule.gamma: {self.gamma} must be in (0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    """How ranks agree (hpctrain.torch.DistributedOptimizer)."""
+
+    strategy: str = "allreduce"
+    compression: str = "none"
+    backward_passes_per_step: int = 1
+    average_every: int = 1
+    server_rank: int = 0
+    backend: str = "mpi"
+    fusion_threshold: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _choice("sync.strategy", self.strategy, STRATEGIES)
+        _choice("sync.compression", self.compression, COMPRESSIONS)
+        _choice("sync.backend", self.backend, BACKENDS)
+        _need(self.backward_passes_per_step >= 1,
+              f"sync.backward_passes_per_step: {self.backward_passes_per_step} must be >= 1")
+        _need(self.average_every >= 1, f"sync.average_every: {self.average_every} must be >= 1")
+        _need(self.server_rank >= 0, f"sync.server_rank: {self.server_rank} must be >= 0")
+        _need(self.fusion_threshold is None or self.fusion_threshold >= 0,
+              f"sync.fusion_threshold: {self.fusion_threshold} must be >= 0 bytes")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Evaluation on ``data.test`` every ``interval_steps`` optimizer steps (0: at the end of
+    every epoch) and at the end. Padding samples are ignored; metrics are exact."""
+
+    interval_steps: int = 0
+    metrics: List[str] = field(default_factory=lambda: ["accuracy", "loss"])
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        _need(self.interval_steps >= 0, f"eval.interval_steps: {self.interval_steps} < 0")
+        for m in self.metrics:
+            _choice("eval.metrics[]", m, METRICS)
+        _need(self.batch_size >= 1, f"eval.batch_size: {self.batch_size} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """``dir`` (default ``<run_dir>/checkpoints``; must be on a file system every rank sees),
+    a checkpoint every ``interval_steps`` steps (0: at every epoch end) and at the end; the
+    newest ``keep`` are kept."""
+
+    dir: str = ""
+    interval_steps: int = 0
+    keep: int = 3
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _need(self.interval_steps >= 0, f"checkpoint.interval_steps: {self.interval_steps} < 0")
+        _need(self.keep >= 1, f"checkpoint.keep: {self.keep} must be >= 1 (the last good checkpoint is kept)")
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig:
+    """Fault injection and test hooks (off by default)."""
+
+    fail_at_step: int = -1       # raise on rank fail_rank before this step (0-based)
+    fail_rank: int = 0
+    nan_at_step: int = -1        # make the loss NaN on rank nan_rank at this step
+    nan_rank: int = 0
+    stop_at_step: int = -1       # checkpoint and stop after this many steps (as a preemption would)
+    slow_rank: int = -1          # sleep slow_ms in every step on this rank (straggler tests)
+    slow_ms: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The whole run. ``epochs`` or ``steps`` (optimizer steps) sets the length; with both,
+    the first reached ends training."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    batch_size: Union[int, str] = 32
+    lr_scaling: str = "linear"
+    loss: str = "cross_entropy"
+    epochs: int = 0
+    steps: int = 0
+    seed: int = 0
+    run_dir: str = "runs/train"
+    quiet: bool = False
+    log_interval: int = 10
+    balance: str = "off"
+    straggler_threshold: float = 0.2
+    straggler_patience: int = 3
+    on_nan: str = "stop"
+    timeline: bool = True
+    timeline_max_steps: int = 200
+    tensorboard: bool = False
+    preemption: bool = True
+    deterministic: bool = True
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, str):
+            _need(self.batch_size == "auto", f"batch_size: {self.batch_size!r}; expected a positive integer or 'auto'")
+        else:
+            _need(self.batch_size >= 1, f"batch_size: {self.batch_size}; expected a positive integer or 'auto'")
+        _choice("lr_scaling", self.lr_scaling, LR_SCALING)
+        _choice("loss", self.loss, LOSSES)
+        _choice("balance", self.balance, BALANCE)
+        _choice("on_nan", self.on_nan, ON_NAN)
+        _need(self.epochs >= 0 and self.steps >= 0, "epochs and steps must be >= 0")
+        _need(self.epochs > 0 or self.steps > 0,
+              "neither epochs nor steps is set; expected e.g. epochs: 10 or steps: 1000")
+        _need(self.log_interval >= 1, f"log_interval: {self.log_interval} must be >= 1")
+        _need(self.straggler_threshold > 0, f"straggler_threshold: {self.straggler_threshold} must be > 0 "
+              "(0.2 = warn when a rank is 20% slower than the median)")
+        _need(self.straggler_patience >= 1, f"straggler_patience: {self.straggler_patience} must be >= 1")
+        _need(self.timeline_max_steps >= 0, f"timeline_max_steps: {self.timeline_max_steps} < 0")
+        _need(self.threads >= 0, f"threads: {self.threads} < 0")
+        _need(bool(self.run_dir), "run_dir is empty; expected a directory for metrics, plots and checkpoints")
+        if self.balance == "auto":
+            _need(self.data.policy in ("contiguous", "weighted"),
+                  f"balance: auto re-weights the contiguous partition; data.policy {self.data.policy!r} "
+                  "cannot be re-weighted. HINT: use data.policy: contiguous")
+        if self.loss == "mse":
+            _need("accuracy" not in self.eval.metrics,
+                  "eval.metrics: 'accuracy' needs loss: cross_entropy (classification)")
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data (dicts, lists, numbers, strings): YAML/JSON/checkpoint friendly."""
+        return _to_plain(self)
+
+
+# ---------------------------------------------------------------------------- building
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def valid_keys(cls: type = None, prefix: str = "") -> List[str]:
+    """Every dotted key a config accepts (for error messages and docs)."""
+    cls = cls or TrainConfig
+    out: List[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out.extend(valid_keys(t, prefix + f.name + "."))
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def _coerce(value: Any, t: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``t`` (int/float/bool/str, List, Dict, Optional, Union)."""
+    origin = typing.get_origin(t)
+    if t is Any:
+        return value
+    if origin is Union:
+        args = typing.get_args(t)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: {value!r} is not a valid " + " or ".join(
+            _type_name(a) for a in args if a is not type(None)))
+    if origin in (list, List):
+        (inner,) = typing.get_args(t) or (Any,)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and inner is str:
+            value = [value]  # a single path is a one-element list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        kt, vt = typing.get_args(t) or (str, Any)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-3" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if t is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported type {t!r}")  # pragma: no cover - internal
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        here = (where + ".") if where else ""
+        raise ConfigError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(repr(here + str(k)) for k in unknown)}; "
+            f"valid keys{' of ' + where if where else ''}: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        t = hints[name]
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(t):
+            kwargs[name] = _build(t, data[name], key)
+        else:
+            kwargs[name] = _coerce(data[name], t, key)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+        if missing:
+            raise ConfigError(f"{where or 'config'}: missing required key(s) {', '.join(missing)}") from exc
+        raise
+
+
+def config_from_dict(data: Mapping[str, Any]) -> TrainConfig:
+    """Build and validate a :class:`TrainConfig` from plain data (e.g. parsed YAML)."""
+    return _build(TrainConfig, data, "")
+
+
+def parse_override(text: str) -> Tuple[List[str], Any]:
+    """``"optimizer.lr=0.05"`` -> (["optimizer", "lr"], 0.05). The value is parsed as YAML."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set optimizer.lr=0.05")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Apply ``--set`` overrides to the raw config mapping (before validation)."""
+    allowed = set(valid_keys())
+    sections = {k.split(".")[0] for k in allowed if "." in k}
+    for text in overrides:
+        path, value = parse_override(text)
+        dotted = ".".join(path)
+        # model.kwargs.hidden=..., data.keys.x=...: entries of a free-form mapping.
+        in_mapping = len(path) >= 3 and ".".join(path[:2]) in DICT_KEYS
+        if dotted not in allowed and not in_mapping:
+            near = [k for k in sorted(allowed) if k.split(".")[-1] == path[-1] or k.startswith(path[0] + ".")]
+            raise ConfigError(f"--set {text!r}: unknown key {dotted!r}; valid keys: "
+                              f"{', '.join(near or sorted(allowed))}")
+        if path[0] in sections and len(path) == 1:
+            raise ConfigError(f"--set {text!r}: {dotted!r} is a section; set one of its keys, "
+                              f"e.g. {sorted(k for k in allowed if k.startswith(dotted + '.'))[0]}=...")
+        node = data
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a mapping in the config")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def _resolve_paths(data: Dict[str, Any], base: Path) -> None:
+    """Make relative data paths relative to the YAML file's directory."""
+    d = data.get("data")
+    if not isinstance(d, dict):
+        return
+    for role in ("train", "test"):
+        items = d.get(role)
+        if isinstance(items, str):
+            items = [items]
+        if isinstance(items, list):
+            d[role] = [p if not isinstance(p, str) or Path(p).is_absolute() else str(base / p) for p in items]
+
+
+def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = (),
+                data: Optional[Mapping[str, Any]] = None) -> TrainConfig:
+    """Read a YAML file (or take ``data``), apply ``--set`` overrides, validate.
+
+    Relative ``data.train``/``data.test`` paths are resolved against the YAML file's
+    directory; ``run_dir`` and ``checkpoint.dir`` against the current directory.
+    """
+    import yaml
+
+    raw: Dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist\nHINT: see examples/digits.yaml")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping of keys at the top level, got {type(loaded).__name__}")
+        raw = loaded
+        _resolve_paths(raw, p.resolve().parent)
+    if data is not None:
+        raw = _merge(raw, dict(data))
+    raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw)
+
+
+def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
