@@ -141,7 +141,8 @@ def measure(runners, sizes, dtype, args, records):
                 "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype,
                 "time_s": t, "time_min_s": min(times[algo]), "time_max_s": max(times[algo]),
                 "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(n),
-                "chosen": comm.choose_algorithm(count * np.dtype(dtype).itemsize) if algo == "auto" else algo,
+                "chosen": (comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc")
+                           if algo.startswith("auto") else algo),
             })
 
 
@@ -161,7 +162,7 @@ def print_table(records: List[dict], out=sys.stdout) -> None:
     for r in records:
         ratio = ref[r["bytes"]] / r["time_s"] if r["bytes"] in ref else float("nan")
         spread = f"{r['time_min_s'] * 1e6:.0f}-{r['time_max_s'] * 1e6:.0f}"
-        algo = r["algo"] + (f"({r['chosen']})" if r["algo"] == "auto" else "")
+        algo = r["algo"] + (f"({r['chosen']})" if r["algo"].startswith("auto") else "")
         print(f"{format_size(r['bytes']):>8} {algo:>13} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
               f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>7.2f}", file=out)
 

@@ -39,10 +39,12 @@ def requested_algorithm(algorithm: str) -> str:
     return algorithm
 
 
-def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto") -> str:
-    """The algorithm an all-reduce of ``nbytes`` would use on ``group``."""
+def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto",
+                     shared: bool = False) -> str:
+    """The algorithm an all-reduce of ``nbytes`` would use on ``group`` (``shared``: the data
+    lives in a ``shared_buffer``)."""
     g = resolve(group)
-    return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm))
+    return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm), shared)
 
 
 # --------------------------------------------------------------------------- all-reduce
@@ -76,12 +78,9 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     flat = flatten(x, writable=inplace, what="allreduce")
     if op in ("min", "max") and flat.array.dtype.kind == "c":
         raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
-    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm))
-    dog = watchdog()
     shared = _find_shared(g, flat.array) if inplace else None
-    if shared is not None and algo == "native" and algorithm == "auto" and g.size > 1 and g.topology.single_node:
-        # data already in the shared window: zero-copy wins from a few KiB up (bench)
-        algo = "shm" if flat.array.nbytes >= plan.SHARED_SMALL_BYTES else "native"
+    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm), shared is not None)
+    dog = watchdog()
     header = guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo,
                                shared[1] + 1 if shared else 0)
     guard.agree(g, header, dog)

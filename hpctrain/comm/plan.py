@@ -136,21 +136,23 @@ def topology_from_keys(node_keys: Sequence[object]) -> Topology:
 # --------------------------------------------------------------------------- algorithm choice
 ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 
-# Thresholds measured with `hpctrain bench allreduce` on a 2-core node (Open MPI 5.0.11,
-# 2–4 ranks, float32): below SMALL the native MPI_Allreduce wins (a Python ring pays ~17 µs
-# per message); above it the shared-window path (one node) and the hierarchical path
-# (several nodes) win. See README "Performance".
-SMALL_MESSAGE_BYTES = 256 * 1024
+# Thresholds from `hpctrain bench allreduce` on a 2-core node (Open MPI 5.0.11, 2–4 ranks,
+# float32; tables in docs/performance.md). On the caller's own (private) buffer, one node:
+# MPI_Allreduce in place wins up to tens of MiB (a Python ring pays ~17 µs per message and
+# the shared window needs a copy in and out); from LARGE_RING_BYTES the ring wins, since Open
+# MPI's large-message algorithm degrades. Across nodes, the hierarchical path sends 1/local_size
+# of the data over the network and wins from CROSS_NODE_SMALL_BYTES. Data already in a shared
+# buffer (zero-copy) beats native from SHARED_SMALL_BYTES.
+LARGE_RING_BYTES = 32 * 1024 * 1024
 CROSS_NODE_SMALL_BYTES = 64 * 1024
-# Data already in a shared buffer: the zero-copy path wins from here up.
 SHARED_SMALL_BYTES = 16 * 1024
 
 
-def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto") -> str:
+def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", shared: bool = False) -> str:
     """The algorithm a collective of ``nbytes`` uses on ``topology``.
 
-    Depends only on values that agree on every rank (message size, group layout), so every
-    rank of a group picks the same algorithm.
+    Depends only on values that agree on every rank (message size, group layout, whether the
+    data lives in a shared buffer), so every rank of a group picks the same algorithm.
     """
     if requested not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {requested!r}; valid: {', '.join(ALGORITHMS)}")
@@ -165,7 +167,9 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto") -
     if topology.size == 1:
         return "native"
     if topology.single_node:
-        return "native" if nbytes < SMALL_MESSAGE_BYTES else "shm"
+        if shared:
+            return "shm" if nbytes >= SHARED_SMALL_BYTES else "native"
+        return "ring" if nbytes >= LARGE_RING_BYTES else "native"
     if nbytes < CROSS_NODE_SMALL_BYTES:
         return "native"
     return "hierarchical" if topology.homogeneous else "ring"

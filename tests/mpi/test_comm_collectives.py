@@ -153,7 +153,8 @@ def test_point_to_point_and_size_mismatch():
 def test_topology_single_node():
     assert comm.local_size() == N and comm.local_rank() == R
     assert comm.cross_size() == 1 and comm.cross_rank() == 0
-    assert comm.choose_algorithm(64 << 20) == ("shm" if N > 1 else "native")
+    assert comm.choose_algorithm(64 << 20) == ("ring" if N > 1 else "native")
+    assert comm.choose_algorithm(64 << 20, shared=True) == ("shm" if N > 1 else "native")
 
 
 def test_mismatched_shapes_raise_on_every_rank():

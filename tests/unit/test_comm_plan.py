@@ -94,7 +94,8 @@ def test_topology_from_hostnames():
 
 @pytest.mark.parametrize("nbytes,keys,requested,expected", [
     (1024, ["a", "a"], "auto", "native"),
-    (64 << 20, ["a", "a"], "auto", "shm"),
+    (64 << 20, ["a", "a"], "auto", "ring"),
+    (1 << 20, ["a", "a"], "auto", "native"),
     (64 << 20, ["a", "a", "b", "b"], "auto", "hierarchical"),
     (64 << 20, ["a", "a", "b"], "auto", "ring"),
     (1024, ["a", "a", "b", "b"], "auto", "native"),
@@ -106,6 +107,13 @@ def test_topology_from_hostnames():
 ])
 def test_choose_algorithm(nbytes, keys, requested, expected):
     assert plan.choose_algorithm(nbytes, plan.topology_from_keys(keys), requested) == expected
+
+
+def test_shared_buffers_go_zero_copy_from_small_sizes():
+    topo = plan.topology_from_keys(["a", "a"])
+    assert plan.choose_algorithm(64 << 10, topo, shared=True) == "shm"
+    assert plan.choose_algorithm(1 << 10, topo, shared=True) == "native"
+    assert plan.choose_algorithm(64 << 20, plan.topology_from_keys(["a", "a", "b", "b"]), shared=True) == "hierarchical"
 
 
 def test_choose_algorithm_rejects_unknown():
