@@ -91,10 +91,11 @@ def test_bench_data_runs(tmp_path):
                         "--dir", str(tmp_path), "--features", "64", "--chunk-rows", "256", "--batch-size", "128",
                         "--json", str(out)], tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "| none | hpctrain loader |" in r.stdout and "| lzf | naive dset[i] |" in r.stdout
+    assert "| none | loader, shuffle=window |" in r.stdout and "| lzf | naive dset[i] |" in r.stdout
     records = json.loads(out.read_text())["records"]
     assert {(x["compression"], x["method"]) for x in records} == {
-        (c, m) for c in ("none", "lzf") for m in ("raw 64 MiB slabs", "hpctrain loader", "naive dset[i]")}
+        (c, m) for c in ("none", "lzf")
+        for m in ("raw 64 MiB slabs", "loader, shuffle=window", "loader, shuffle=block", "naive dset[i]")}
     assert all(x["samples_per_s"] > 0 for x in records)
     # A second run reuses the generated files.
     files = sorted(p.name for p in Path(tmp_path).glob("bench-*.h5"))

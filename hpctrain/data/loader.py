@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -39,7 +40,7 @@ from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
     FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
 )
-from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, plan_epoch, read_runs
+from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, ordered_runs, plan_epoch, read_runs
 
 log = logging.getLogger("hpctrain.data")
 
@@ -91,7 +92,11 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         keys: dataset names to load together (same sample count in a file).
         batch_size: samples per step per rank (``weighted``: the mean; see ``batch_size_here``).
         policy: ``"contiguous"`` (default), ``"strided"`` or ``"weighted"``.
-        seed, shuffle, drop_last, weights: see :func:`hpctrain.data.planner.plan_epoch`.
+        shuffle: ``True``/``"window"`` (default): block order shuffled per epoch, and samples
+            shuffled in memory inside each window (one gather copy per batch);
+            ``"block"``: block order only, samples of a block stay in file order and batches
+            are zero-copy slices of the read buffer (fastest); ``False``: file order.
+        seed, drop_last, weights: see :func:`hpctrain.data.planner.plan_epoch`.
         rank, world_size: default ``hpctrain.comm.rank()`` / ``size()``.
         dtypes: per-key dtype to cast to, e.g. ``{"x": torch.float32}``.
         transforms: per-key callables ``tensor -> tensor``; ``transform``: ``dict -> dict``
@@ -112,7 +117,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         *,
         policy: str = "contiguous",
         seed: int = 0,
-        shuffle: bool = True,
+        shuffle: Union[bool, str] = True,
         drop_last: bool = False,
         weights: Optional[Sequence[float]] = None,
         rank: Optional[int] = None,
@@ -146,7 +151,11 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.batch_size = int(batch_size)
         self.policy = policy
         self.seed = int(seed)
-        self.shuffle = bool(shuffle)
+        modes = {True: "window", "window": "window", "block": "block", False: "none", "none": "none"}
+        if not isinstance(shuffle, (bool, str)) or shuffle not in modes:
+            raise ConfigError(f"shuffle must be True, False, 'window', 'block' or 'none'; got {shuffle!r}")
+        self.shuffle_mode = modes[shuffle]
+        self.shuffle = self.shuffle_mode != "none"
         self.drop_last = bool(drop_last)
         self.weights = None if weights is None else [float(w) for w in weights]
         self.dtypes = {k: _torch_dtype(v) for k, v in (dtypes or {}).items()}
@@ -183,6 +192,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.window_steps = max(1, window_bytes // max(1, first.batch_size * self.row_bytes))
         self._steps = first.steps
         self._handles: Dict[int, h5py.File] = {}
+        self._dsets: Dict[int, Tuple[h5py.File, Dict[str, h5py.Dataset]]] = {}
         self._pid: Optional[int] = None
 
     # -- planning ---------------------------------------------------------------------
@@ -193,7 +203,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
 
     def plan(self, epoch: Optional[int] = None) -> RankPlan:
         """This rank's plan for ``epoch`` (default: the current one)."""
-        return self._plan(self.epoch if epoch is None else epoch, self.window_steps)
+        in_window = self.window_steps if self.shuffle_mode == "window" else 0
+        return self._plan(self.epoch if epoch is None else epoch, in_window)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (reshuffles deterministically from ``seed`` and ``epoch``)."""
@@ -221,6 +232,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_handles"] = {}
+        state["_dsets"] = {}
         state["_pid"] = None
         return state
 
@@ -229,6 +241,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         if self._pid != pid:
             # Fresh process (fork or spawn): never use a parent's handles.
             self._handles = {}
+            self._dsets = {}
             self._pid = pid
         f = self._handles.get(i)
         if f is None:
@@ -243,6 +256,14 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             self._handles[i] = f
         return f
 
+    def _datasets(self, i: int) -> Dict[str, h5py.Dataset]:
+        f = self._file(i)
+        found = self._dsets.get(i)
+        if found is None or found[0] is not f:
+            found = (f, {k: f[k] for k in self.keys})
+            self._dsets[i] = found
+        return found[1]
+
     def close(self) -> None:
         """Close the files opened by this process (they reopen on the next iteration)."""
         if self._pid == os.getpid():
@@ -252,35 +273,63 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 except Exception:  # noqa: BLE001 - closing is best effort
                     pass
         self._handles = {}
+        self._dsets = {}
 
     # -- reading ----------------------------------------------------------------------
-    def _read_window(self, ids: np.ndarray, buffers: Dict[str, np.ndarray]) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
-        """Read the rows of ``ids`` into staging buffers; return them and each id's row."""
+    def _read_window(self, ids: np.ndarray, staging: Dict[str, np.ndarray], pool: "_WindowPool"
+                     ) -> Tuple[Dict[str, np.ndarray], Optional[np.ndarray]]:
+        """Read the rows of ``ids``. Returns ``(arrays, None)`` with the rows already in plan
+        order, or ``(staging, rows)``: the reused staging buffers and each id's row in them.
+
+        When the ids come in long ascending runs (block shuffle, no shuffle) the runs are read
+        in plan order straight into window arrays from the pool: batch i is then rows
+        ``[i*b, (i+1)*b)`` and is handed out as a view, without a copy. Otherwise (in-window
+        shuffle, strided) the sorted runs covering the ids are read into ``staging`` and the
+        consumer gathers them (:meth:`_arrange`).
+        """
+        in_order = ordered_runs(ids, self.offsets, max_runs=max(1, len(ids) // 32))
+        if in_order is not None:
+            arrays = pool.take(len(ids))
+            self._read_runs(in_order, arrays)
+            return arrays, None
         runs = read_runs(ids, self.offsets, max_gap=self._gap)
         total = sum(hi - lo for _, lo, hi in runs)
-        staging: Dict[str, np.ndarray] = {}
         for key in self.keys:
             info = self.files[0].keys[key]
-            buf = buffers.get(key)
+            buf = staging.get(key)
             if buf is None or buf.shape[0] < total:
-                buf = np.empty((max(total, 1),) + info.shape[1:], dtype=info.dtype)
-                buffers[key] = buf
-            staging[key] = buf
-        starts = np.empty(len(runs), np.int64)
+                staging[key] = np.empty((max(total, 1),) + info.shape[1:], dtype=info.dtype)
+        where = self._read_runs(runs, staging)
+        starts = np.array([self.offsets[fi] + lo for fi, lo, _ in runs], np.int64)
+        run = np.searchsorted(starts, ids, side="right") - 1
+        return staging, where[run] + (ids - starts[run])
+
+    def _read_runs(self, runs: List[Tuple[int, int, int]], out: Dict[str, np.ndarray]) -> np.ndarray:
+        """``read_direct`` each run into ``out`` one after the other; return their positions."""
         where = np.empty(len(runs), np.int64)
         pos = 0
         for j, (fi, lo, hi) in enumerate(runs):
-            f = self._file(fi)
+            dsets = self._datasets(fi)
             for key in self.keys:
                 try:
-                    f[key].read_direct(staging[key], np.s_[lo:hi], np.s_[pos:pos + hi - lo])
+                    dsets[key].read_direct(out[key], np.s_[lo:hi], np.s_[pos:pos + hi - lo])
                 except Exception as exc:  # damaged chunk, fletcher32 mismatch, ...
                     raise read_error(exc, self.paths[fi], key) from exc
-            starts[j] = self.offsets[fi] + lo
             where[j] = pos
             pos += hi - lo
-        run = np.searchsorted(starts, ids, side="right") - 1
-        return staging, where[run] + (ids - starts[run])
+        return where
+
+    def _arrange(self, staging: Dict[str, np.ndarray], rows: Optional[np.ndarray], pool: "_WindowPool"
+                 ) -> Dict[str, np.ndarray]:
+        """Window arrays in plan order: as read, or gathered from the staging buffers with one
+        ``numpy.take`` per key (the in-memory shuffle; it runs without the GIL, overlapping
+        the producer's next read)."""
+        if rows is None:
+            return staging
+        out = pool.take(len(rows))
+        for key in self.keys:
+            np.take(staging[key], rows, axis=0, out=out[key], mode="clip")  # rows are valid
+        return out
 
     def _windows(self, plan: RankPlan) -> List[Tuple[int, int]]:
         w = self.window_steps
@@ -290,17 +339,15 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             windows = windows[worker.id::worker.num_workers]
         return windows
 
-    def _batches(self, plan: RankPlan, window: Tuple[int, int], staging: Dict[str, np.ndarray],
-                 rows: np.ndarray) -> Iterator[Batch]:
+    def _batches(self, plan: RankPlan, window: Tuple[int, int], arrays: Dict[str, np.ndarray]) -> Iterator[Batch]:
+        """Batches of one window: views of its arrays (no copy), cast and transformed."""
         b = plan.batch_size
         s0, s1 = window
         for step in range(s0, s1):
             sl = slice((step - s0) * b, (step - s0 + 1) * b)
             batch: Batch = {}
             for key in self.keys:
-                # np.take: one gather per batch into a fresh array, without the GIL (torch's
-                # index_select spins up its thread pool per call: slower on busy nodes).
-                t = torch.from_numpy(np.take(staging[key], rows[sl], axis=0))
+                t = torch.from_numpy(arrays[key][sl])
                 dt = self.dtypes.get(key)
                 if dt is not None and t.dtype != dt:
                     t = t.to(dt)
@@ -315,20 +362,29 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 batch = self.transform(batch)
             yield batch
 
+    def _pool(self, plan: RankPlan) -> "_WindowPool":
+        layout = {k: (self.files[0].keys[k].shape[1:], self.files[0].keys[k].dtype) for k in self.keys}
+        return _WindowPool(layout, self.window_steps * plan.batch_size, keep=self.prefetch + 3)
+
     def __iter__(self) -> Iterator[Batch]:
         plan = self.plan()
         windows = self._windows(plan)
+        pool = self._pool(plan)
         b = plan.batch_size
         if self.prefetch == 0:
-            buffers: Dict[str, np.ndarray] = {}
+            staging: Dict[str, np.ndarray] = {}
             for s0, s1 in windows:
-                staging, rows = self._read_window(plan.indices[s0 * b:s1 * b], buffers)
-                yield from self._batches(plan, (s0, s1), staging, rows)
+                arrays, rows = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                arrays = self._arrange(arrays, rows, pool)
+                del rows
+                yield from self._batches(plan, (s0, s1), arrays)
+                del arrays
             return
-        yield from self._iter_prefetch(plan, windows)
+        yield from self._iter_prefetch(plan, windows, pool)
 
-    def _iter_prefetch(self, plan: RankPlan, windows: List[Tuple[int, int]]) -> Iterator[Batch]:
+    def _iter_prefetch(self, plan: RankPlan, windows: List[Tuple[int, int]], pool: "_WindowPool") -> Iterator[Batch]:
         b = plan.batch_size
+        # Staging buffers circulate between the producer (reads) and the consumer (gathers).
         free: "queue.Queue[Dict[str, np.ndarray]]" = queue.Queue()
         for _ in range(self.prefetch + 1):
             free.put({})
@@ -339,11 +395,11 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         def produce() -> None:
             try:
                 for s0, s1 in windows:
-                    buffers = free.get()
+                    staging = free.get()
                     if stop.is_set():
                         return
-                    staging, rows = self._read_window(plan.indices[s0 * b:s1 * b], buffers)
-                    ready.put(((s0, s1), staging, rows, buffers))
+                    arrays, rows = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                    ready.put(((s0, s1), arrays, rows, staging))
                 ready.put(done)
             except BaseException as exc:  # handed to the consumer, raised there
                 ready.put(exc)
@@ -357,13 +413,52 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                window, staging, rows, buffers = item
-                yield from self._batches(plan, window, staging, rows)
-                free.put(buffers)
+                window, arrays, rows, staging = item
+                item = None
+                arrays = self._arrange(arrays, rows, pool)
+                rows = None
+                free.put(staging)  # gathered (or never used): the producer may refill it
+                staging = None
+                yield from self._batches(plan, window, arrays)
+                arrays = None
         finally:
             stop.set()
             free.put({})  # wake the producer if it waits for a buffer
             thread.join()
+
+
+class _WindowPool:
+    """Reusable window arrays (one per key), recycled once no batch refers to them.
+
+    Batches are views of these arrays. An array set is reused only when nothing but the pool
+    holds its arrays (CPython reference counts: a live batch tensor keeps a view, which keeps
+    the array); otherwise fresh arrays are allocated. Reusing avoids the page faults of
+    fresh 16 MiB allocations, which cost about as much as reading the data again.
+    """
+
+    def __init__(self, layout: Dict[str, Tuple[Tuple[int, ...], np.dtype]], rows: int, keep: int) -> None:
+        self.layout = layout
+        self.rows = max(1, rows)
+        self.keep = keep
+        self.sets: List[Dict[str, np.ndarray]] = []
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _unused(arrays: Dict[str, np.ndarray]) -> bool:
+        # References: the dict in self.sets, and getrefcount's own argument.
+        return all(sys.getrefcount(arrays[k]) <= 2 for k in arrays)
+
+    def take(self, rows: int) -> Dict[str, np.ndarray]:
+        """Arrays of at least ``rows`` rows per key (views of exactly ``rows``)."""
+        with self.lock:
+            for arrays in self.sets:
+                if self._unused(arrays) and next(iter(arrays.values())).shape[0] >= rows:
+                    return {k: a[:rows] for k, a in arrays.items()}
+            size = max(rows, self.rows)
+            arrays = {k: np.empty((size,) + shape, dtype) for k, (shape, dtype) in self.layout.items()}
+            if len(self.sets) < self.keep:
+                self.sets.append(arrays)
+            return {k: a[:rows] for k, a in arrays.items()}
 
 
 HDF5Loader = HDF5Dataset  # the dataset *is* the loader: iterate it, or wrap it in .dataloader()

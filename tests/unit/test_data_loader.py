@@ -208,3 +208,33 @@ def test_mpio_driver_reads(three_files):
     ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1, driver="mpio")
     ids, mask = collect(ds)
     assert sorted(ids[mask].tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_held_batches_are_never_overwritten(three_files, shuffle, prefetch):
+    """Window arrays are recycled only when no batch refers to them: keep every batch."""
+    paths, n = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1, shuffle=shuffle, prefetch=prefetch,
+                     window_bytes=100, block_bytes=1)
+    kept = list(ds)
+    kept_x = [b["x"][:1] for b in ds]  # only a slice of each batch kept alive
+    assert len(kept) == len(ds) == len(kept_x)
+    for b in kept:
+        assert torch.equal(b["y"], b["index"]) and torch.equal(b["x"][:, 0], (b["index"] * 10).float())
+    again = list(ds)
+    for x, b in zip(kept_x, again):
+        assert torch.equal(x[:, 0], (b["index"][:1] * 10).float())
+    real = np.concatenate([b["index"][b["mask"]].numpy() for b in kept])
+    assert sorted(real.tolist()) == list(range(n))
+    if shuffle is False:
+        assert np.array_equal(real, np.arange(n))
+
+
+def test_block_shuffle_batches_are_contiguous_runs(tmp_path):
+    p = make_file(tmp_path / "b.h5", 4096, chunk=256)
+    ds = HDF5Dataset(p, ["x", "y"], 64, rank=0, world_size=1, shuffle="block", block_bytes=1)
+    for b in ds:
+        assert torch.all(torch.diff(b["index"]) == 1)  # one chunk-aligned block per batch here
+    with pytest.raises(ConfigError, match="shuffle must be"):
+        HDF5Dataset(p, ["x", "y"], 64, rank=0, world_size=1, shuffle="random")
