@@ -14,10 +14,11 @@ from .schedule import SCHEDULES, Schedule, ScheduleError, bubble_fraction, make_
 from .hybrid import (GroupAveragingOptimizer, HybridLayout, average_gradients, check_world, distributed_optimizer,
                      make_groups)
 from .pipeline import PipelineModule, StepStats, measure_layer_times, parameter_costs, sequence_layers
+from .config import ParallelConfig
 from .checkpoint import load_stage_checkpoint, merge_stage_checkpoints, save_stage_checkpoint, stage_checkpoint_path
 
 __all__ = [
-    "PipelineModule", "StepStats", "distributed_optimizer", "GroupAveragingOptimizer", "average_gradients",
+    "PipelineModule", "StepStats", "ParallelConfig", "distributed_optimizer", "GroupAveragingOptimizer", "average_gradients",
     "HybridLayout", "check_world", "make_groups", "PartitionPlan", "PartitionError", "plan_partition", "balance",
     "split_rows", "SCHEDULES", "Schedule", "ScheduleError", "make_schedule", "make_program", "simulate",
     "bubble_fraction", "measure_layer_times", "parameter_costs", "sequence_layers", "save_stage_checkpoint",

@@ -138,3 +138,21 @@ def test_merge_stage_checkpoints(tmp_path):
     assert list(torch.load(out)) == list(full)
     os.remove(tmp_path / "stage-001-of-002.pt")
     assert checkpoint_main(["merge", str(tmp_path), "-o", str(out)]) == 2
+
+
+def test_parallel_config():
+    from hpctrain.parallel.config import ParallelConfig
+
+    cfg = ParallelConfig.from_dict({"pipeline_stages": 2, "micro_batches": 8, "schedule": "1F1B"})
+    assert cfg.schedule == "1f1b" and cfg.enabled and cfg.to_dict()["micro_batches"] == 8
+    assert not ParallelConfig.from_dict(None).enabled
+    with pytest.raises(ValueError, match="unknown key.*'stages'.*valid: pipeline_stages"):
+        ParallelConfig.from_dict({"stages": 2})
+    with pytest.raises(ValueError, match="micro_batches must be an integer"):
+        ParallelConfig.from_dict({"pipeline_stages": 2, "micro_batches": 0})
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        ParallelConfig.from_dict({"schedule": "zigzag"})
+    with pytest.raises(ValueError, match="split_points needs 1 entries"):
+        ParallelConfig.from_dict({"pipeline_stages": 2, "split_points": [1, 2]})
+    with pytest.raises(ValueError, match="not both"):
+        ParallelConfig.from_dict({"pipeline_stages": 2, "split_points": [1], "sizes": [1, 1]})
