@@ -239,34 +239,70 @@ def python_argv(*args: str) -> List[str]:
     return [sys.executable, *args]
 
 
-# One cluster per test session, even when several test modules import the fixture (each import
-# makes its own session-scoped fixture definition): reference-counted, stopped at the end only
-# when this session started it.
+# One cluster shared by every test session on the machine. Each session registers its pid
+# under STATE_DIR/users while it uses the cluster; a cluster a fixture started carries the
+# marker STATE_DIR/fixture-owned and is stopped by the last session to leave (so two pytest
+# runs at once do not pull the nodes from under each other). A cluster started by hand has no
+# marker and is left up. Within one process the fixture may exist once per importing module:
+# a counter makes those share one registration.
 _lock = threading.Lock()
 _users = 0
-_started_here = False
+
+
+def _fixture_lock():
+    import fcntl
+
+    STATE_DIR.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(STATE_DIR.parent / "hpctrain-cluster.fixture.lock", "w")
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    return handle  # closing it releases the lock
+
+
+def _live_users() -> List[int]:
+    users = STATE_DIR / "users"
+    alive = []
+    for entry in users.glob("*") if users.is_dir() else []:
+        try:
+            pid = int(entry.name)
+            os.kill(pid, 0)
+            alive.append(pid)
+        except (ValueError, ProcessLookupError):
+            entry.unlink(missing_ok=True)
+        except PermissionError:
+            alive.append(int(entry.name))
+    return alive
 
 
 def _acquire(nodes: int) -> List[str]:
-    global _users, _started_here
+    global _users
     with _lock:
-        present = cluster_nodes()
-        if len(present) < nodes:
-            start_cluster(nodes)
-            if not present:
-                _started_here = True
-            present = cluster_nodes()
+        if _users == 0:
+            with _fixture_lock():
+                present = cluster_nodes()
+                if len(present) < nodes:
+                    start_cluster(nodes)
+                    if not present:
+                        (STATE_DIR / "fixture-owned").touch()
+                (STATE_DIR / "users").mkdir(exist_ok=True)
+                (STATE_DIR / "users" / str(os.getpid())).touch()
         _users += 1
-        return present
+        return cluster_nodes()
 
 
 def _release() -> None:
-    global _users, _started_here
+    global _users
     with _lock:
         _users -= 1
-        if _users == 0 and _started_here and not os.environ.get("HPCTRAIN_KEEP_CLUSTER"):
-            stop_cluster()
-            _started_here = False
+        if _users:
+            return
+        with _fixture_lock():
+            (STATE_DIR / "users" / str(os.getpid())).unlink(missing_ok=True)
+            if (
+                not _live_users()
+                and (STATE_DIR / "fixture-owned").exists()
+                and not os.environ.get("HPCTRAIN_KEEP_CLUSTER")
+            ):
+                stop_cluster()
 
 
 @pytest.fixture(scope="session")
@@ -274,8 +310,9 @@ def multinode_cluster(request: pytest.FixtureRequest) -> Iterator[List[str]]:
     """Start the local cluster (node1..node3) for this session; yields the node names.
 
     Skips with the reason where the machine cannot run it (fails when
-    ``HPCTRAIN_REQUIRE_MULTINODE=1``). A cluster that was already up is reused and left up;
-    set ``HPCTRAIN_KEEP_CLUSTER=1`` to keep one this session started.
+    ``HPCTRAIN_REQUIRE_MULTINODE=1``). A cluster started by hand is reused and left up; one a
+    fixture started is stopped by the last test session using it (``HPCTRAIN_KEEP_CLUSTER=1``
+    keeps it).
     """
     ok, reason = cluster_available()
     if not ok:
@@ -335,26 +372,19 @@ def wait_job_on_cluster(job_id: int, timeout: float = 120) -> Dict[str, str]:
     return info
 
 
-_slurm_started_here = False
-
-
 @pytest.fixture(scope="session")
 def multinode_slurm(multinode_cluster, request: pytest.FixtureRequest) -> Iterator[List[str]]:
     """slurmctld on node1 and a slurmd on every node of the cluster (node1..node3), with this
     cluster's own SLURM_CONF and munged. Yields the node names; clients go through
     ``slurm_on_cluster``. Skips (or fails, with HPCTRAIN_REQUIRE_MULTINODE=1) without SLURM."""
-    global _slurm_started_here
     reason = slurm_unavailable_reason()
     if reason:
         skip_or_fail(f"multi-node SLURM: {reason}", request)
-    if not SLURM_CONF.exists():
-        proc = subprocess.run(["bash", str(CLUSTER_SH), "start", "--nodes", str(len(multinode_cluster)), "--slurm"],
-                              capture_output=True, text=True, timeout=180)
-        if proc.returncode != 0:
-            skip_or_fail(f"multi-node SLURM did not start:\n{proc.stdout}{proc.stderr}", request)
-        _slurm_started_here = True
+    # Idempotent: a running SLURM with an unchanged configuration is left as it is.
+    proc = subprocess.run(["bash", str(CLUSTER_SH), "start", "--nodes", str(len(multinode_cluster)), "--slurm"],
+                          capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        skip_or_fail(f"multi-node SLURM did not start:\n{proc.stdout}{proc.stderr}", request)
     yield multinode_cluster
-    if _slurm_started_here and STATE_DIR.exists() and not os.environ.get("HPCTRAIN_KEEP_CLUSTER"):
-        # The cluster fixture's own teardown stops SLURM too; this covers a reused cluster.
-        subprocess.run(["bash", str(SLURM_CLUSTER_SH), "stop"], capture_output=True, text=True, timeout=120)
-        _slurm_started_here = False
+    # SLURM stops with the cluster (cluster.sh stop), when the last session leaves it.
+
