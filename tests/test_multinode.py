@@ -15,7 +15,8 @@ import pytest
 
 from cluster import multinode_cluster, multinode_slurm, python_argv, run_mpi_on_cluster  # noqa: F401 (fixtures)
 
-SCRIPTS = Path(__file__).resolve().parent / "cluster" / "scripts"
+ROOT_DIR = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT_DIR / "tests" / "cluster" / "scripts"
 
 LAYOUTS = {
     "2x2": ("node1:2,node2:2", {0: "node1", 1: "node1", 2: "node2", 3: "node2"}),
@@ -137,24 +138,90 @@ SLURM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def slurm_jobs(multinode_slurm, tmp_path_factory):
-    """Submit every multi-node job up front (`hpctrain slurm submit cpu-mpi`, run on node1 as a
-    user would on a login node); the tests then wait for their own."""
+PREEMPT_STEPS = 60
+PREEMPT_RUNS = {"reference": "srun", "srun": "srun", "mpirun": "mpirun"}  # name: launcher
+
+
+def _submit_on_cluster(run_dir: Path, name: str, options, command) -> int:
+    """`hpctrain slurm submit cpu-mpi …` on node1, as a user runs it on a login node."""
+    import sys as _sys
+
     from cluster import slurm_on_cluster
 
+    argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--run-dir", str(run_dir),
+                       "--venv", _sys.prefix, "--time", "5", "--signal-seconds", "30", "--job-name", name,
+                       *options, "--", *command)
+    proc = slurm_on_cluster(argv, timeout=60)
+    assert proc.returncode == 0, f"submit {name} failed:\n{proc.stdout}"
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(multinode_slurm, tmp_path_factory):
+    """Submit every multi-node job up front; the tests then wait for their own (the preemption
+    jobs first, while the others run)."""
     import sys as _sys
 
     jobs = {}
+    for name, launcher in PREEMPT_RUNS.items():
+        run_dir = tmp_path_factory.mktemp(f"preempt-{name}")
+        loop = [_sys.executable, str(ROOT_DIR / "tests" / "slurm_jobs" / "preempt_loop.py"),
+                "--steps", str(PREEMPT_STEPS), "--step-seconds", "0.25", "--dir", str(run_dir)]
+        jobs[f"preempt-{name}"] = (_submit_on_cluster(
+            run_dir, f"pre-{name}", ["--launcher", launcher, "--nodes", "2", "--tasks-per-node", "1"], loop), run_dir)
     for name, (options, _) in SLURM_CASES.items():
         run_dir = tmp_path_factory.mktemp(f"slurm-{name}")
-        argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--run-dir", str(run_dir),
-                           "--venv", _sys.prefix, "--time", "5", "--job-name", name, *options,
-                           "--", _sys.executable, str(SCRIPTS / "slurm_layout.py"))
-        proc = slurm_on_cluster(argv, timeout=60)
-        assert proc.returncode == 0, f"submit {name} failed:\n{proc.stdout}"
-        jobs[name] = (int(proc.stdout.strip().splitlines()[-1]), run_dir)
+        jobs[name] = (_submit_on_cluster(run_dir, name, options,
+                                         [_sys.executable, str(SCRIPTS / "slurm_layout.py")]), run_dir)
     return jobs
+
+
+def _job_logs(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in sorted(run_dir.glob("*.out")) + sorted(run_dir.glob("*.err")))
+
+
+def _progress(run_dir: Path) -> List[str]:
+    p = run_dir / "progress.log"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+def test_slurm_preempt_requeue_resume_on_two_nodes(slurm_jobs):
+    """scancel -b --signal=USR1 on a 2-node job → checkpoint → requeue → the rerun on both
+    nodes resumes and ends with the same result as an uninterrupted 2-node run."""
+    import re
+    import time
+
+    import numpy as np
+
+    from cluster import slurm_on_cluster, wait_job_on_cluster
+
+    for name in ("srun", "mpirun"):
+        job, run_dir = slurm_jobs[f"preempt-{name}"]
+        deadline = time.monotonic() + 120
+        while len(_progress(run_dir)) < 5:
+            assert time.monotonic() < deadline, f"job {job} made no progress:\n{_job_logs(run_dir)[-4000:]}"
+            time.sleep(0.2)
+        proc = slurm_on_cluster(["scancel", "-b", "--signal=USR1", str(job)], timeout=30)
+        assert proc.returncode == 0, proc.stdout
+    results = {}
+    for name in PREEMPT_RUNS:
+        job, run_dir = slurm_jobs[f"preempt-{name}"]
+        info = wait_job_on_cluster(job, timeout=180)
+        text = _job_logs(run_dir)
+        assert info.get("JobState") == "COMPLETED", f"{name}: {info}\n{text[-6000:]}"
+        assert info.get("NumNodes") == "2", info
+        results[name] = np.load(run_dir / "result.npy")
+        lines = _progress(run_dir)
+        if name == "reference":
+            assert info["Restarts"] == "0" and lines == [f"restart 0 step {s}" for s in range(PREEMPT_STEPS)], text
+            continue
+        assert info["Restarts"] == "1", text
+        m = re.search(r"resumed from step (\d+) \(SLURM_RESTART_COUNT=1\)", text)
+        assert m, text[-6000:]
+        k = int(m.group(1))
+        assert lines == [f"restart 0 step {s}" for s in range(k)] + [f"restart 1 step {s}" for s in range(k, PREEMPT_STEPS)]
+    for name in ("srun", "mpirun"):
+        assert np.array_equal(results[name], results["reference"]), f"{name}: resumed result differs"
 
 
 MPIRUN_NODE_RANK_BUG = pytest.mark.xfail(
@@ -172,7 +239,7 @@ def test_slurm_cpu_template_across_nodes(slurm_jobs, case):
 
     job, run_dir = slurm_jobs[case]
     info = wait_job_on_cluster(job, timeout=120)
-    logs = "".join(p.read_text() for p in sorted(run_dir.glob("*.out")) + sorted(run_dir.glob("*.err")))
+    logs = _job_logs(run_dir)
     assert info.get("JobState") == "COMPLETED", f"job {job} ({case}): {info}\n{logs[-6000:]}"
     expected_hosts = SLURM_CASES[case][1]
     hosts = sorted(set(expected_hosts))
