@@ -187,24 +187,47 @@ class GroupAveragingOptimizer:
 
 
 def _group_keyword() -> Optional[str]:
-    """The name under which hpctrain.torch.DistributedOptimizer takes a comm group, if any."""
+    """How hpctrain.torch.DistributedOptimizer takes a subset of ranks, if it does:
+    'group' / 'comm_group' (an hpctrain.comm Group) or 'process_set' (a Horovod ProcessSet)."""
     try:
         from hpctrain.torch import DistributedOptimizer
     except ImportError:  # pragma: no cover - hpctrain.torch is part of the package
         return None
     params = inspect.signature(DistributedOptimizer.__init__).parameters
-    for name in ("group", "comm_group"):
+    for name in ("group", "comm_group", "process_set"):
         if name in params:
             return name
     return None
 
 
+def _process_set(pipe: Any) -> Any:
+    """The Horovod process set of this stage's data-parallel ranks. Every rank registers the
+    sets of all stages, in stage order (add_process_set is collective over the world)."""
+    cached = getattr(pipe, "_dp_process_set", None)
+    if cached is not None:
+        return cached
+    layout = getattr(pipe, "layout", None)
+    if layout is None:
+        raise ValueError("distributed_optimizer with process sets needs the pipeline's DP × PP layout; build the "
+                         "PipelineModule with group=None")
+    import hpctrain.torch as hvd
+
+    mine = None
+    for stage in range(layout.stages):
+        ps = hvd.add_process_set(list(layout.data_parallel_ranks(stage)))
+        if stage == pipe.stage:
+            mine = ps
+    pipe._dp_process_set = mine
+    return mine
+
+
 def distributed_optimizer(pipe: Any, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
     """An optimizer whose ``step()`` averages ``pipe``'s stage gradients over its data-parallel
-    group, then steps. With one replica (DP = 1) the optimizer is returned unchanged.
+    group, then steps. With one replica (DP = 1) the optimizer is returned unchanged. Every
+    rank must call it (it may create communicators).
 
-    Uses ``hpctrain.torch.DistributedOptimizer(…, group=dp_group,
-    backward_passes_per_step=micro_batches)`` when that accepts a group; otherwise
+    Uses ``hpctrain.torch.DistributedOptimizer(…, backward_passes_per_step=micro_batches)`` on
+    the data-parallel ranks when it accepts a group or process set; otherwise
     :class:`GroupAveragingOptimizer`. ``kwargs`` go to DistributedOptimizer.
     """
     group = pipe.data_parallel_group
@@ -215,7 +238,7 @@ def distributed_optimizer(pipe: Any, optimizer: torch.optim.Optimizer, **kwargs:
         from hpctrain.torch import DistributedOptimizer
 
         kwargs.setdefault("backward_passes_per_step", pipe.micro_batches)
-        kwargs[keyword] = group
+        kwargs[keyword] = _process_set(pipe) if keyword == "process_set" else group
         return DistributedOptimizer(optimizer, named_parameters=list(pipe.named_parameters()), **kwargs)
     if kwargs:
         raise ValueError(f"options {sorted(kwargs)} need hpctrain.torch.DistributedOptimizer with a group "

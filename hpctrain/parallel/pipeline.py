@@ -201,6 +201,7 @@ class PipelineModule:
         else:
             plan = plan_partition(costs, stages, split_points=split_points, sizes=sizes)
         # ---- communication starts here
+        self.layout: Optional[hybrid.HybridLayout] = layout
         if group is None:
             groups = hybrid.make_groups(stages, layout)
             self.pipeline_group = groups.pipeline_group
@@ -452,6 +453,35 @@ class PipelineModule:
         self.last_stats = StepStats(step, compute, comm_time, peak_in_flight, meter.peak if meter else 0,
                                     float(loss_value))
         return loss_value
+
+    @torch.no_grad()
+    def evaluate(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """Forward-only pass of one batch (validation): micro-batches flow forward, no
+        gradients, no activations kept. Returns the batch's mean loss like :meth:`train_step`.
+
+        Forward-only traffic goes one way (stage s → s+1, micro-batches in order), so the plain
+        receive-compute-send loop cannot deadlock."""
+        rows = self._rows(batch, targets)
+        ranges = split_rows(rows, self.micro_batches)
+        dev = self.device
+        total = torch.zeros((), dtype=torch.float64)
+        for m, (a, b) in enumerate(ranges):
+            if self.is_first:
+                x = batch[a:b] if dev is None else batch[a:b].to(dev)
+            else:
+                buf = self._recv_activation(b - a)
+                x = buf.detach() if dev is None else buf.to(dev)
+            y = self.module(x)
+            if not self.is_first:
+                self._give_buffer(buf)
+            if self.is_last:
+                t = targets[a:b] if dev is None else targets[a:b].to(dev)
+                total += loss_fn(y, t).detach().double().cpu() * ((b - a) / rows)
+            else:
+                self._send_activation(self._wire(y), b - a)
+        if self.broadcast_loss and self.stages > 1:
+            return comm.broadcast(total.reshape(1), root=self.stages - 1, group=self.pipeline_group)[0]
+        return total if self.is_last else torch.tensor(float("nan"), dtype=torch.float64)
 
     def _after_backward(self, m: int, inputs: Dict[int, torch.Tensor], grads_out: Dict[int, torch.Tensor],
                         meter: Optional[_ActivationMeter]) -> None:

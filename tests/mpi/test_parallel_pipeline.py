@@ -235,3 +235,17 @@ def test_bench_pipeline_runs(tmp_path_factory):
             assert r["data_parallel"] == DP and r["samples_per_s"] > 0
             assert r["bubble_theory"] == pytest.approx((S - 1) / (r["micro_batches"] + S - 1))
             assert 0.0 <= r["bubble_measured"] <= 1.0
+
+
+def test_evaluate_forward_only_matches_single_process():
+    pipe = PipelineModule(mlp(), stages=S, micro_batches=3, schedule="1f1b")
+    x, y = global_batch(5, DP * 9)
+    lo = pipe.replica * 9
+    got = float(pipe.evaluate(x[lo:lo + 9], y[lo:lo + 9], CE))
+    with torch.no_grad():
+        expect = float(CE(mlp()(x[lo:lo + 9]), y[lo:lo + 9]))
+    assert got == pytest.approx(expect, rel=1e-5)
+    assert all(p.grad is None for p in pipe.parameters())
+    # training after evaluation reuses the agreed shapes and buffers
+    pipe.train_step(x[lo:lo + 9], y[lo:lo + 9], CE)
+    assert all(p.grad is not None for p in pipe.parameters())
