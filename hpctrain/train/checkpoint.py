@@ -200,7 +200,7 @@ def build_state(*, step: int, epoch: int, step_in_epoch: int, model: torch.nn.Mo
     return {
         "format": FORMAT,
         "hpctrain_version": hpctrain.__version__,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
         "step": int(step),
         "epoch": int(epoch),
         "step_in_epoch": int(step_in_epoch),
