@@ -249,3 +249,28 @@ def test_evaluate_forward_only_matches_single_process():
     # training after evaluation reuses the agreed shapes and buffers
     pipe.train_step(x[lo:lo + 9], y[lo:lo + 9], CE)
     assert all(p.grad is not None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_large_activations_use_rendezvous_sends_without_deadlock(schedule):
+    """256 KiB messages (far above MPI's eager limit, so a send blocks until its receive is
+    posted): stage 0's activation sends and stage 1's gradient sends cross in 1F1B's steady
+    state; the planned message order must still complete, and match one process."""
+    def wide():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(10, 16384), torch.nn.Tanh(), torch.nn.Linear(16384, 3))
+
+    M, rows = 6, 24  # 4 rows × 16384 floats = 256 KiB per message
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(DP * rows, 10, generator=g), torch.randint(0, 3, (DP * rows,), generator=g)
+    ref = wide()
+    CE(ref(x), y).backward()
+    pipe = PipelineModule(wide(), stages=S, micro_batches=M, schedule=schedule, split_points=[2])
+    opt = distributed_optimizer(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1))
+    lo = pipe.replica * rows
+    pipe.train_step(x[lo:lo + rows], y[lo:lo + rows], CE)
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    ref_params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        assert rel(p.grad, ref_params[n].grad) <= TOL, n
