@@ -131,10 +131,10 @@ def test_bench_allreduce_reports_two_nodes(multinode_cluster, tmp_path):
 
 # --------------------------------------------------------------------------- multi-node SLURM
 SLURM_CASES = {
-    # name: (template options, expected hostname per rank)
-    "srun-2x2": (["--launcher", "srun", "--nodes", "2", "--tasks-per-node", "2"], ["node1", "node1", "node2", "node2"]),
-    "mpirun-2x2": (["--launcher", "mpirun", "--nodes", "2", "--tasks-per-node", "2"], ["node1", "node1", "node2", "node2"]),
-    "srun-3x1": (["--launcher", "srun", "--nodes", "3", "--tasks-per-node", "1"], ["node1", "node2", "node3"]),
+    # name: (template options, (nodes, tasks per node))
+    "srun-2x2": (["--launcher", "srun", "--nodes", "2", "--tasks-per-node", "2"], (2, 2)),
+    "mpirun-2x2": (["--launcher", "mpirun", "--nodes", "2", "--tasks-per-node", "2"], (2, 2)),
+    "srun-3x1": (["--launcher", "srun", "--nodes", "3", "--tasks-per-node", "1"], (3, 1)),
 }
 
 
@@ -158,22 +158,55 @@ def _submit_on_cluster(run_dir: Path, name: str, options, command) -> int:
 
 @pytest.fixture(scope="module")
 def slurm_jobs(multinode_slurm, tmp_path_factory):
-    """Submit every multi-node job up front; the tests then wait for their own (the preemption
-    jobs first, while the others run)."""
+    """Submit every multi-node job up front (the submissions in parallel: each is a Python
+    start-up); the tests then wait for their own, the preemption test first."""
     import sys as _sys
+    from concurrent.futures import ThreadPoolExecutor
 
-    jobs = {}
+    hpctrain = str(Path(_sys.executable).parent / "hpctrain")
+    specs = {}  # key: (run_dir, job name, template options, command)
     for name, launcher in PREEMPT_RUNS.items():
         run_dir = tmp_path_factory.mktemp(f"preempt-{name}")
         loop = [_sys.executable, str(ROOT_DIR / "tests" / "slurm_jobs" / "preempt_loop.py"),
                 "--steps", str(PREEMPT_STEPS), "--step-seconds", "0.25", "--dir", str(run_dir)]
-        jobs[f"preempt-{name}"] = (_submit_on_cluster(
-            run_dir, f"pre-{name}", ["--launcher", launcher, "--nodes", "2", "--tasks-per-node", "1"], loop), run_dir)
+        specs[f"preempt-{name}"] = (run_dir, f"pre-{name}",
+                                    ["--launcher", launcher, "--nodes", "2", "--tasks-per-node", "1"], loop)
     for name, (options, _) in SLURM_CASES.items():
         run_dir = tmp_path_factory.mktemp(f"slurm-{name}")
-        jobs[name] = (_submit_on_cluster(run_dir, name, options,
-                                         [_sys.executable, str(SCRIPTS / "slurm_layout.py")]), run_dir)
-    return jobs
+        specs[name] = (run_dir, name, options, [_sys.executable, str(SCRIPTS / "slurm_layout.py")])
+    config = _tiny_training_config(tmp_path_factory.mktemp("train-data"))
+    for launcher in ("srun", "mpirun"):
+        run_dir = tmp_path_factory.mktemp(f"train-{launcher}")
+        specs[f"train-{launcher}"] = (run_dir, f"train-{launcher}",
+                                      ["--launcher", launcher, "--nodes", "2", "--tasks-per-node", "2"],
+                                      [hpctrain, "train", str(config), "--set", f"run_dir={run_dir / 'run'}", "--quiet"])
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = {key: pool.submit(_submit_on_cluster, *spec) for key, spec in specs.items()}
+        return {key: (future.result(), specs[key][0]) for key, future in futures.items()}
+
+
+def _tiny_training_config(data_dir: Path) -> Path:
+    """A 1024-sample HDF5 file (packed with `hpctrain data pack`) and a 2-epoch MLP config."""
+    import subprocess
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1024, 16)).astype(np.float32)
+    y = (x @ rng.standard_normal((16, 4))).argmax(1).astype(np.int64)
+    np.savez(data_dir / "train.npz", x=x, y=y)
+    hpctrain = str(Path(python_argv()[0]).parent / "hpctrain")
+    subprocess.run([hpctrain, "data", "pack", str(data_dir / "train.npz"), "-o", str(data_dir / "train.h5"), "-q"],
+                   check=True, capture_output=True, timeout=120)
+    config = data_dir / "tiny.yaml"
+    config.write_text(
+        "model: {factory: 'hpctrain.train.models:mlp', kwargs: {in_features: 16, hidden: [32], num_classes: 4}}\n"
+        "data: {train: [train.h5], keys: {x: x, y: y}}\n"
+        "optimizer: {name: sgd, lr: 0.1}\n"
+        "batch_size: 32\nepochs: 2\nseed: 0\nquiet: true\n"
+        "eval: {metrics: [loss]}\ncheckpoint: {interval_steps: 0, keep: 1}\n"
+    )
+    return config
 
 
 def _job_logs(run_dir: Path) -> str:
@@ -241,20 +274,45 @@ def test_slurm_cpu_template_across_nodes(slurm_jobs, case):
     info = wait_job_on_cluster(job, timeout=120)
     logs = _job_logs(run_dir)
     assert info.get("JobState") == "COMPLETED", f"job {job} ({case}): {info}\n{logs[-6000:]}"
-    expected_hosts = SLURM_CASES[case][1]
-    hosts = sorted(set(expected_hosts))
+    from hpctrain.slurm.nodelist import expand_nodelist
+
+    num_nodes, per_node = SLURM_CASES[case][1]
+    hosts = expand_nodelist(info["NodeList"])  # SLURM picks the nodes (other jobs run too)
+    assert len(hosts) == num_nodes, info
+    expected_hosts = [h for h in hosts for _ in range(per_node)]
     layout_lines = [line for line in logs.splitlines() if line.startswith("SLURM-LAYOUT ")]
     assert len(layout_lines) == 1, logs[-6000:]
     rows = json.loads(layout_lines[0][len("SLURM-LAYOUT "):])
     assert [r["hostname"] for r in rows] == expected_hosts, rows
-    per_node = len(expected_hosts) // len(hosts)
     for r in rows:
         node_index = hosts.index(r["hostname"])
-        assert (r["local_size"], r["cross_rank"], r["cross_size"]) == (per_node, node_index, len(hosts)), r
+        assert (r["local_size"], r["cross_rank"], r["cross_size"]) == (per_node, node_index, num_nodes), r
         s = r["slurm"]
         assert s is not None, r
         # SLURM's view and MPI's agree on where every rank is.
         assert (s["rank"], s["size"], s["local_rank"]) == (r["rank"], len(rows), r["local_rank"]), r
-        assert (s["node_rank"], s["num_nodes"], s["nodes"]) == (node_index, len(hosts), hosts), r
-        assert s["master_addr"] == "node1", r
+        assert (s["node_rank"], s["num_nodes"], s["nodes"]) == (node_index, num_nodes, hosts), r
+        assert s["master_addr"] == hosts[0], r
         assert r["auto"] == "hierarchical" and r["allreduce_ok"], r
+
+
+def test_slurm_training_job_on_two_nodes(slurm_jobs):
+    """`hpctrain train` through the cpu-mpi template on 2 nodes × 2 ranks, launched by
+    srun --mpi=pmix and by mpirun: both complete the same plan with the same final loss."""
+    from cluster import wait_job_on_cluster
+
+    summaries = {}
+    for launcher in ("srun", "mpirun"):
+        job, run_dir = slurm_jobs[f"train-{launcher}"]
+        info = wait_job_on_cluster(job, timeout=240)
+        text = _job_logs(run_dir)
+        assert info.get("JobState") == "COMPLETED", f"{launcher}: {info}\n{text[-6000:]}"
+        assert info.get("NumNodes") == "2", info
+        summary = json.loads((run_dir / "run" / "summary.json").read_text())
+        assert summary["result"]["status"] == "completed", summary["result"]
+        assert summary["plan"]["world_size"] == 4 and summary["plan"]["rank_samples"] == [256] * 4, summary["plan"]
+        assert Path(summary["result"]["checkpoint"]).exists()
+        summaries[launcher] = summary
+    # Same data, seed and rank layout: the launcher must not change the result.
+    assert summaries["srun"]["result"]["step"] == summaries["mpirun"]["result"]["step"]
+    assert summaries["srun"]["result"]["final_loss"] == pytest.approx(summaries["mpirun"]["result"]["final_loss"], rel=1e-6)

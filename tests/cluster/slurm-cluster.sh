@@ -24,7 +24,9 @@ MUNGE_SOCKET="$MUNGE_DIR/munge.socket"
 MUNGE_PID="$MUNGE_DIR/munged.pid"
 CTLD_PID="$SDIR/slurmctld.pid"
 PARTITION=${HPCTRAIN_SLURM_PARTITION:-local}
-CPUS_PER_NODE=${HPCTRAIN_CLUSTER_CPUS:-4}
+# CPUs each node advertises (config_overrides lets it exceed the real cores): enough that the
+# test jobs, submitted all at once, run side by side instead of queueing.
+CPUS_PER_NODE=${HPCTRAIN_CLUSTER_CPUS:-8}
 
 die() { echo "slurm-cluster: $*" >&2; exit 1; }
 say() { echo "slurm-cluster: $*" >&2; }
