@@ -23,7 +23,7 @@ import torch
 from hpctrain import comm
 
 from . import staging
-from .compression import Compression, Compressor
+from .compression import Compression
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -386,7 +386,8 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
         result = restore(compression.decompress(buf, ctx))
         if out is not None:
             if result.data_ptr() != out.data_ptr():
-                out.copy_(result.view_as(out))
+                with torch.no_grad():
+                    out.copy_(result.view_as(out))
             return out
         return result.view(tensor.shape)
 
@@ -453,12 +454,12 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     _require_init("hvd.allreduce_async_")
     _check_tensor(tensor, "allreduce_async_")
     return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
-                            Compression.none, process_set, tensor.detach(), name or "allreduce_")
+                            Compression.none, process_set, tensor, name or "allreduce_")
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
                    compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str) -> Handle:
-    tensors = [_check_tensor(t, "grouped_allreduce").detach() for t in tensors]
+    tensors = [_check_tensor(t, "grouped_allreduce") for t in tensors]
     # One fused buffer per dtype, in first-seen order (identical on every rank for identical input).
     order: List[torch.dtype] = []
     for t in tensors:
@@ -467,7 +468,7 @@ def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: floa
     parts = []
     for dtype in order:
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].reshape(-1) for i in members]) if members else None
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
         parts.append((members, _allreduce_start(flat, op, prescale, postscale, compression, process_set, None, name)))
 
     def finish(_: Any) -> List[torch.Tensor]:
@@ -480,7 +481,8 @@ def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: floa
                 piece = flat[offset:offset + n].view(tensors[i].shape)
                 offset += n
                 if inplace:
-                    tensors[i].copy_(piece)
+                    with torch.no_grad():
+                        tensors[i].copy_(piece)
                     results[i] = tensors[i]
                 else:
                     results[i] = piece.clone()

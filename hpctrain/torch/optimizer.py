@@ -36,7 +36,7 @@ from hpctrain import comm
 
 from . import buckets as bk
 from .backends import Backend, get_backend
-from .compression import Compression, NoneCompressor
+from .compression import Compression
 from .ops import HpctrainNotInitialized, ReduceOp, _require_init, _resolve_op
 from .strategies import AllReduce, ModelAverage, ParameterServer, Strategy, parse_sync
 
@@ -181,7 +181,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ma_steps = 0
         #: seconds spent waiting for communication in synchronize(), summed (for benchmarks)
         self.wait_seconds = 0.0
-        if isinstance(self._strategy, AllReduce):
+        # One rank, nothing to reduce (Average/Sum over one rank is the identity, and no wire
+        # format rounds the values): gradients stay where autograd put them, no hooks, no
+        # copies — the same cost as a plain PyTorch loop.
+        self._passthrough = (self._size == 1 and isinstance(self._strategy, AllReduce)
+                             and self._op in (ReduceOp.Average, ReduceOp.Sum) and self._predivide == 1.0
+                             and getattr(self._compression, "wire_dtype", None) is None)
+        if isinstance(self._strategy, AllReduce) and not self._passthrough:
             self._register_hooks()
         if self._rank == 0:
             log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s",
@@ -214,6 +220,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: Dict[str, Any]) -> None:
         self._inner.defaults = value
+
+    @property
+    def bucket_buffers(self) -> List[torch.Tensor]:
+        """The flat bucket buffers, in communication order (``.grad`` of each parameter is a
+        view into one of them; see ``plan`` for who is where)."""
+        return list(self._buffers)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -419,7 +431,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish the gradient communication of this step (all buckets), without stepping."""
         self._check_alive("synchronize()")
-        if isinstance(self._strategy, AllReduce):
+        if self._passthrough:
+            pass
+        elif isinstance(self._strategy, AllReduce):
             with self._lock:
                 # Start, in plan order, every bucket the hooks did not start: same order on
                 # every rank; parameters without a gradient here contribute zeros.
@@ -456,12 +470,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._no_sync_depth -= 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        """Zero the gradients in place (they stay views into the buckets, whatever ``set_to_none``)."""
+        """Reset the gradients, as ``torch.optim.Optimizer.zero_grad``.
+
+        ``set_to_none=True`` (default): ``.grad`` becomes None; the next backward pass creates
+        fresh gradients and the hooks copy each into its bucket (one copy, measured cheaper
+        than zeroing the buckets and accumulating into them). ``set_to_none=False``: the
+        buckets are zeroed in place and gradients accumulate straight into them.
+        """
         if any(s.launched for s in self._states) and isinstance(self._strategy, AllReduce):
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(). This is prohibited as it can cause a race condition.\n"
                 "HINT: call optimizer.step() first, or zero_grad() before the backward pass")
+        if self._passthrough:
+            self._inner.zero_grad(set_to_none)
+            return
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
+            return
         for buf in self._buffers:
             buf.zero_()
         for i, p in enumerate(self._params):
