@@ -35,9 +35,12 @@ Policies:
     samples/s on mixed nodes). Steps stay equal, so the per-rank batch size differs:
     ``RankPlan.batch_size`` is this rank's; the global batch stays ``world_size * batch_size``.
 
-With ``window_steps > 0`` and shuffling, each rank's ids are also permuted inside windows of
-``window_steps`` batches (the loader reads one window of whole blocks at a time and shuffles
-it in memory), seeded by ``(seed, epoch, rank, window)``.
+With ``window_steps > 0``, each rank's ids are also reordered inside windows of
+``window_steps`` batches (the loader reads one window at a time): ``window_order="shuffle"``
+permutes them (seeded by ``(seed, epoch, rank, window)``; the loader shuffles in memory),
+``"sort"`` sorts them by position (the loader then reads a window with one HDF5 call per key
+and hands out batches without copying). Sorting needs shuffling on: with ``shuffle=False``
+ids are in file order already.
 """
 from __future__ import annotations
 
@@ -242,13 +245,16 @@ def _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle):
     return steps, idx[fill], mask[fill] & (np.arange(slots) < per_rank)
 
 
-def _window_shuffle(idx, mask, window_rows, seed, epoch, rank):
+def _window_reorder(idx, mask, window_rows, seed, epoch, rank, order):
     idx = idx.copy()
     mask = mask.copy()
     for w, start in enumerate(range(0, len(idx), window_rows)):
         stop = min(start + window_rows, len(idx))
-        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), w])
-        p = start + rng.permutation(stop - start)
+        if order == "sort":
+            p = start + np.argsort(idx[start:stop], kind="stable")
+        else:
+            rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), w])
+            p = start + rng.permutation(stop - start)
         idx[start:stop] = idx[p]
         mask[start:stop] = mask[p]
     return idx, mask
@@ -268,6 +274,7 @@ def plan_epoch(
     weights: Optional[Sequence[float]] = None,
     block_rows: Union[int, Sequence[int]] = 1024,
     window_steps: int = 0,
+    window_order: str = "shuffle",
 ) -> RankPlan:
     """This rank's samples for one epoch. See the module docstring for the policies.
 
@@ -290,8 +297,10 @@ def plan_epoch(
     else:
         steps, idx, mask = _contiguous([int(c) for c in counts], world_size, rank, sizes, seed,
                                        epoch, drop_last, shuffle, block_rows)
+    if window_order not in ("shuffle", "sort"):
+        raise ConfigError(f"window_order must be 'shuffle' or 'sort', got {window_order!r}")
     if window_steps > 0 and shuffle:
-        idx, mask = _window_shuffle(idx, mask, window_steps * sizes[rank], seed, epoch, rank)
+        idx, mask = _window_reorder(idx, mask, window_steps * sizes[rank], seed, epoch, rank, window_order)
     return RankPlan(
         rank=rank, world_size=world_size, epoch=int(epoch), policy=policy, steps=int(steps),
         batch_size=sizes[rank], global_batch=g, num_samples=n, window_steps=int(window_steps),
