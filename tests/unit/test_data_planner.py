@@ -31,6 +31,7 @@ def setups(draw):
         weights=weights,
         block_rows=draw(st.sampled_from([1, 3, 7, 16, [5] * nfiles])),
         window_steps=draw(st.sampled_from([0, 1, 3])),
+        window_order=draw(st.sampled_from(["shuffle", "sort"])),
     )
     return counts, world, batch, kwargs
 
@@ -75,7 +76,8 @@ def test_partition_properties(setup):
 @given(setups())
 def test_order_differs_across_epochs(setup):
     counts, world, batch, kw = setup
-    kw.update(shuffle=True, block_rows=1 if kw["policy"] != "strided" else kw["block_rows"])
+    kw.update(shuffle=True, block_rows=1 if kw["policy"] != "strided" else kw["block_rows"],
+              window_order="shuffle")
     n = sum(counts)
     if n < 8:
         return
@@ -159,3 +161,13 @@ def test_bad_arguments(kwargs, exc, words):
     with pytest.raises(exc, match=words) as info:
         plan_epoch(**kwargs)
     assert isinstance(info.value, DataError) and isinstance(info.value, ValueError)
+
+
+def test_window_sort_orders_each_window():
+    p = plan_epoch([1000], 2, 1, 10, seed=4, epoch=3, block_rows=7, window_steps=5, window_order="sort")
+    q = plan_epoch([1000], 2, 1, 10, seed=4, epoch=3, block_rows=7)
+    assert sorted(p.indices.tolist()) == sorted(q.indices.tolist())
+    for w in range(0, len(p.indices), 50):
+        assert np.all(np.diff(p.indices[w:w + 50]) > 0)
+    with pytest.raises(ConfigError, match="window_order"):
+        plan_epoch([1000], 2, 1, 10, window_order="random")
