@@ -188,8 +188,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         except DataError as exc:
             shown = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (+{len(self.paths) - 1} files)"
             raise type(exc)(str(exc), path=shown, key=self.keys[0]) from exc
-        self.batch_size_here = first.batch_size
-        self.window_steps = max(1, window_bytes // max(1, first.batch_size * self.row_bytes))
+        self.window_bytes = int(window_bytes)
+        self._adopt(first)
         self._steps = first.steps
         self._handles: Dict[int, h5py.File] = {}
         self._dsets: Dict[int, Tuple[h5py.File, Dict[str, h5py.Dataset]]] = {}
@@ -207,9 +207,33 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         order = "shuffle" if self.shuffle_mode == "window" else "sort"
         return self._plan(self.epoch if epoch is None else epoch, self.window_steps, order)
 
+    def _adopt(self, first: RankPlan) -> None:
+        self.batch_size_here = first.batch_size
+        self.window_steps = max(1, self.window_bytes // max(1, first.batch_size * self.row_bytes))
+        if self.rank == 0:
+            log.debug("data: %d samples in %d file(s), %d steps/epoch of %d per rank (global batch %d), "
+                      "policy %s, shuffle %s", self.num_samples, len(self.paths), first.steps,
+                      first.batch_size, first.global_batch, self.policy, self.shuffle_mode)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (reshuffles deterministically from ``seed`` and ``epoch``)."""
         self.epoch = int(epoch)
+
+    def set_weights(self, weights: Sequence[float]) -> None:
+        """New per-rank weights for ``policy="weighted"`` (e.g. measured samples/s), from the
+        next iteration on. Call it with the same weights on every rank. The global batch and
+        the steps per epoch stay the same; this rank's batch size may change."""
+        if self.policy != "weighted":
+            raise ConfigError(f"set_weights needs policy 'weighted', this loader uses {self.policy!r}")
+        old = self.weights
+        self.weights = [float(w) for w in weights]
+        try:
+            first = self._plan(self.epoch)
+        except DataError:
+            self.weights = old
+            raise
+        assert first.steps == self._steps
+        self._adopt(first)
 
     def __len__(self) -> int:
         return self._steps

@@ -238,3 +238,19 @@ def test_block_shuffle_batches_are_contiguous_runs(tmp_path):
         assert torch.all(torch.diff(b["index"]) == 1)  # one chunk-aligned block per batch here
     with pytest.raises(ConfigError, match="shuffle must be"):
         HDF5Dataset(p, ["x", "y"], 64, rank=0, world_size=1, shuffle="random")
+
+
+def test_set_weights_rebalances_with_equal_steps(three_files):
+    paths, n = three_files
+    dss = [HDF5Dataset(paths, ["x", "y"], 6, rank=r, world_size=2, policy="weighted", weights=[1, 1])
+           for r in range(2)]
+    assert [d.batch_size_here for d in dss] == [6, 6]
+    steps = len(dss[0])
+    for d in dss:
+        d.set_weights([1.0, 3.0])
+    assert [d.batch_size_here for d in dss] == [3, 9] and [len(d) for d in dss] == [steps, steps]
+    real = np.concatenate([collect(d)[0][collect(d)[1]] for d in dss])
+    assert sorted(real.tolist()) == list(range(n))
+    with pytest.raises(ConfigError):
+        dss[0].set_weights([1.0])
+    assert dss[0].batch_size_here == 3
