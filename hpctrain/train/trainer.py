@@ -338,7 +338,8 @@ class Trainer:
                 while s_in_epoch < plan.steps_per_epoch and step < plan.total_steps:
                     timeline.step = step
                     if dbg.fail_at_step == step and dbg.fail_rank == rank:
-                        raise RuntimeError(f"debug.fail_at_step={step}: injected failure on rank {rank}")
+                        raise RuntimeError(f"debug.fail_at_step={step}: injected failure on rank {rank} "
+                                           f"at unix time {time.time():.3f}")
                     t_step = time.perf_counter()
                     t_data = t_fwd = t_bwd = 0.0
                     loss_sum = 0.0

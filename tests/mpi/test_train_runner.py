@@ -15,7 +15,7 @@ from hpctrain.train.config import load_config
 from hpctrain.train.metrics import read_metrics
 from hpctrain.train.trainer import Trainer
 
-RANKS = (1, 2)
+RANKS = (2,)
 TIMEOUT = 400
 
 comm.init()

@@ -1,0 +1,128 @@
+"""`hpctrain train` driven from outside: fault injection under mpiexec -n 3, dry-run,
+unwritable checkpoint directory, bad config, report."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpirun import ROOT, mpi_env, python_argv, run_mpi
+
+HPCTRAIN = python_argv("-m", "hpctrain.cli.main")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from hpctrain.data.pack import pack
+    from sklearn.datasets import load_digits
+
+    base = tmp_path_factory.mktemp("traindata")
+    d = load_digits()
+    np.savez(base / "train.npz", x=d.data[:900].astype(np.float32), y=d.target[:900].astype(np.int64))
+    np.savez(base / "test.npz", x=d.data[900:1200].astype(np.float32), y=d.target[900:1200].astype(np.int64))
+    pack([str(base / "train.npz")], str(base / "train.h5"), quiet=True)
+    pack([str(base / "test.npz")], str(base / "test.h5"), quiet=True)
+    return base
+
+
+def write_config(path: Path, data: Path, run_dir: Path, extra: str = "") -> Path:
+    path.write_text(f"""
+model: {{factory: "hpctrain.train.models:mlp", kwargs: {{hidden: [32], input_scale: 0.0625}}}}
+data: {{train: ["{data / 'train.h5'}"], test: ["{data / 'test.h5'}"]}}
+optimizer: {{name: adam, lr: 0.003}}
+batch_size: 16
+steps: 40
+run_dir: "{run_dir}"
+quiet: true
+threads: 1
+{extra}
+""")
+    return path
+
+
+def run(argv, timeout=120, cwd=None, env=None):
+    e = mpi_env(env)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=e, cwd=str(cwd or ROOT))
+
+
+def test_exception_on_rank_1_at_step_5_aborts_within_30s(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run",
+                       "debug: {fail_at_step: 5, fail_rank: 1}\ncheckpoint: {interval_steps: 2}")
+    result = run_mpi(3, [*HPCTRAIN, "train", str(cfg)], timeout=180, env={"HPCTRAIN_STALL_TIMEOUT": "300"})
+    end = time.time()
+    out = result.stdout
+    assert result.returncode not in (0, -9), out[-4000:]
+    assert "rank 1 raised an unhandled exception" in out, out[-4000:]
+    assert "debug.fail_at_step=5: injected failure on rank 1" in out, out[-4000:]
+    m = re.search(r"at unix time (\d+\.\d+)", out)
+    assert m, out[-4000:]
+    elapsed = end - float(m.group(1))
+    assert elapsed < 30, f"job took {elapsed:.1f}s to exit after the failure"
+    # The checkpoints written before the failure are intact.
+    from hpctrain.train import checkpoint as ckpt
+
+    found = ckpt.newest_valid(tmp_path / "run" / "checkpoints")
+    assert found is not None and found[1]["step"] == 4
+
+
+def test_dry_run_prints_plan_and_trains_nothing(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
+    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "3", "--set", "optimizer.lr=0.01",
+             "--set", "lr_scaling=linear"])
+    assert r.returncode == 0, r.stderr
+    assert "ranks: 3" in r.stdout
+    assert "rank 0: 288 samples (16/batch), rank 1: 288 samples (16/batch), rank 2: 288 samples" in r.stdout
+    assert "global batch 48" in r.stdout
+    assert "learning rate: 0.03 (base 0.01, lr_scaling linear" in r.stdout
+    assert "dry run: nothing trained" in r.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_under_mpiexec_uses_world_size(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--dry-run"], timeout=120)
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.count("ranks: 2") == 1  # printed by rank 0 only
+
+
+def test_unknown_key_lists_valid_ones(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", "optimiser: {lr: 1}")
+    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run"])
+    assert r.returncode == 2
+    assert "unknown key 'optimiser'" in r.stderr and "optimizer" in r.stderr and "batch_size" in r.stderr
+
+
+def test_bad_override_value(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
+    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--set", "optimizer.name=lion"])
+    assert r.returncode == 2 and "optimizer.name: 'lion' is not one of" in r.stderr
+
+
+def test_unwritable_checkpoint_dir_fails_before_training(data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", f'checkpoint: {{dir: "{blocker / "ckpt"}"}}')
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg)], timeout=120)
+    assert r.returncode != 0
+    assert "cannot be created" in r.stdout and "HINT" in r.stdout, r.stdout[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_train_then_report(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", "eval: {interval_steps: 10}")
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg)], timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "test accuracy:" in r.stdout and "run directory:" in r.stdout
+    rep = run([*HPCTRAIN, "report", str(tmp_path / "run")])
+    assert rep.returncode == 0, rep.stderr
+    for name in ("loss.png", "throughput.png", "compute_comm.png", "rank_step_time.png", "summary.txt"):
+        assert (tmp_path / "run" / "report" / name).stat().st_size > 0
+    assert "2 rank(s)" in rep.stdout and "test accuracy" in rep.stdout
+    # --resume auto on a finished run: nothing left to do, exits 0 at the same step.
+    again = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", "auto"], timeout=180)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "at step 40" in again.stdout
