@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,7 +31,7 @@ from torch import nn
 from hpctrain import comm
 
 from . import hybrid
-from .partition import BALANCE_MODES, PartitionError, PartitionPlan, plan_partition, split_rows
+from .partition import BALANCE_MODES, PartitionPlan, plan_partition, split_rows
 from .schedule import (BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Program, make_program,
                        normalize_schedule, bubble_fraction)
 
@@ -238,6 +238,7 @@ class PipelineModule:
         self._out_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
         self._pool: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.Tensor]] = {}
         self._grad_bufs: Dict[Tuple[Tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._pooled_out: set = set()  # ids of pooled CPU buffers holding a device tensor to send
         self.last_stats = StepStats()
         self.steps = 0
         if comm.rank() == 0:
@@ -284,10 +285,20 @@ class PipelineModule:
 
     # ------------------------------------------------------------------ wire helpers
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor to send: the tensor itself on CPU (no copy when contiguous), else a
+        pooled CPU buffer holding a copy (give it back with :meth:`_sent`)."""
         t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return t.contiguous()
+        if self.device is None:
+            return t.contiguous()
+        buf = self._take_buffer(tuple(t.shape), t.dtype)
+        buf.copy_(t)
+        self._pooled_out.add(id(buf))
+        return buf
+
+    def _sent(self, t: torch.Tensor) -> None:
+        if id(t) in self._pooled_out:
+            self._pooled_out.discard(id(t))
+            self._give_buffer(t)
 
     def _take_buffer(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         free = self._pool.setdefault((shape, dtype), [])
@@ -380,15 +391,17 @@ class PipelineModule:
             t0 = time.perf_counter()
             if op.kind == RECV_ACT:
                 buf = self._recv_activation(mrows)
-                inputs[m] = buf.requires_grad_(True)
+                if dev is None:
+                    inputs[m] = buf.requires_grad_(True)  # the pooled buffer is the stage's input leaf
+                else:
+                    inputs[m] = buf.to(dev, copy=True).requires_grad_(True)
+                    self._give_buffer(buf)
                 comm_time += time.perf_counter() - t0
             elif op.kind == FWD:
                 if self.is_first:
                     x = chunks[m]
                 else:
-                    x = inputs[m] if dev is None else inputs[m].detach().to(dev).requires_grad_(True)
-                    if dev is not None:
-                        inputs[m] = x
+                    x = inputs[m]
                 if meter is not None:
                     meter.begin([])
                     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -418,7 +431,9 @@ class PipelineModule:
                 peak_in_flight = max(peak_in_flight, in_flight)
                 compute += time.perf_counter() - t0
             elif op.kind == SEND_ACT:
-                self._send_activation(to_send.pop(m), mrows)
+                t = to_send.pop(m)
+                self._send_activation(t, mrows)
+                self._sent(t)
                 comm_time += time.perf_counter() - t0
             elif op.kind == RECV_GRAD:
                 # the gradient buffer is reused: the program never receives another gradient
@@ -435,7 +450,9 @@ class PipelineModule:
                 in_flight -= 1
                 compute += time.perf_counter() - t0
             elif op.kind == SEND_GRAD:
-                comm.send(grads_out.pop(m), self.stage - 1, tag=TAG_GRAD, group=self.pipeline_group)
+                t = grads_out.pop(m)
+                comm.send(t, self.stage - 1, tag=TAG_GRAD, group=self.pipeline_group)
+                self._sent(t)
                 buf = inputs.pop(m)
                 if dev is None:
                     self._give_buffer(buf)
@@ -470,7 +487,7 @@ class PipelineModule:
                 x = batch[a:b] if dev is None else batch[a:b].to(dev)
             else:
                 buf = self._recv_activation(b - a)
-                x = buf.detach() if dev is None else buf.to(dev)
+                x = buf.detach() if dev is None else buf.to(dev, copy=True)
             y = self.module(x)
             if not self.is_first:
                 self._give_buffer(buf)
@@ -478,7 +495,9 @@ class PipelineModule:
                 t = targets[a:b] if dev is None else targets[a:b].to(dev)
                 total += loss_fn(y, t).detach().double().cpu() * ((b - a) / rows)
             else:
-                self._send_activation(self._wire(y), b - a)
+                t = self._wire(y)
+                self._send_activation(t, b - a)
+                self._sent(t)
         if self.broadcast_loss and self.stages > 1:
             return comm.broadcast(total.reshape(1), root=self.stages - 1, group=self.pipeline_group)[0]
         return total if self.is_last else torch.tensor(float("nan"), dtype=torch.float64)
@@ -494,5 +513,3 @@ class PipelineModule:
         if g is None:  # the stage ignored its input; the previous stage still expects a gradient
             g = torch.zeros_like(x)
         grads_out[m] = self._wire(g)
-        if self.device is not None:
-            inputs[m] = x.detach()
