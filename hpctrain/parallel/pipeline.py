@@ -87,6 +87,17 @@ def measure_layer_times(layers: Sequence[Tuple[str, nn.Module]], sample: torch.T
     return [sorted(t)[len(t) // 2] for t in times]
 
 
+def _starts_in_place(module: nn.Module) -> bool:
+    """Whether the first layer ``module`` runs (following first children) works in place."""
+    while True:
+        if getattr(module, "inplace", False):
+            return True
+        children = list(module.children())
+        if not isinstance(module, nn.Sequential) or not children:
+            return False
+        module = children[0]
+
+
 # --------------------------------------------------------------------------- statistics
 @dataclass
 class StepStats:
@@ -230,6 +241,9 @@ class PipelineModule:
         self.program: Program = make_program(self.schedule, stages, micro_batches)
         self._ops = self.program.for_stage(self.stage)
         self.is_first = self.stage == 0
+        # a received activation is a leaf that requires grad; an in-place first layer
+        # (ReLU(inplace=True), …) may not modify it, so such a stage works on a copy
+        self._clone_input = not self.is_first and _starts_in_place(self.module)
         self.is_last = self.stage == stages - 1
         self.track_memory = track_memory
         # shapes agreed with the neighbours, keyed by micro-batch row count
@@ -401,7 +415,7 @@ class PipelineModule:
                 if self.is_first:
                     x = chunks[m]
                 else:
-                    x = inputs[m]
+                    x = inputs[m].clone() if self._clone_input else inputs[m]
                 if meter is not None:
                     meter.begin([])
                     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):

@@ -273,3 +273,23 @@ def test_large_activations_use_rendezvous_sends_without_deadlock(schedule):
     ref_params = dict(ref.named_parameters())
     for n, p in pipe.named_parameters():
         assert rel(p.grad, ref_params[n].grad) <= TOL, n
+
+
+def test_stage_starting_with_an_in_place_layer():
+    """Stage 1 begins with ReLU(inplace=True): it must not modify the received leaf."""
+    def net():
+        torch.manual_seed(4)
+        return torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.ReLU(inplace=True), torch.nn.Linear(12, 3))
+
+    x, y = global_batch(9, DP * 6)
+    ref = net()
+    CE(ref(x), y).backward()
+    pipe = PipelineModule(net(), stages=S, micro_batches=2, split_points=[1])
+    opt = distributed_optimizer(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1))
+    lo = pipe.replica * 6
+    pipe.train_step(x[lo:lo + 6], y[lo:lo + 6], CE)
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    ref_params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        assert rel(p.grad, ref_params[n].grad) <= TOL, n
