@@ -1,0 +1,90 @@
+"""DistributedOptimizer over the torch.distributed Gloo backend (rendezvous bootstrapped through
+MPI, no MASTER_ADDR) equals the MPI backend and 1-process training."""
+import os
+
+import pytest
+import torch
+
+import hpctrain.torch as hvd
+from hpctrain.torch import backends, staging
+
+RANKS = (1, 2, 3)
+TIMEOUT = 240
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+torch.set_num_threads(1)
+B = 3
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2)).double()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(N * B, 6, generator=g).double(), torch.randn(N * B, 2, generator=g).double()
+
+
+def train(backend, steps=3, **kw):
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5),
+                                   named_parameters=m.named_parameters(), backend=backend, **kw)
+    for s in range(steps):
+        x, y = batch(s)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x[R * B:(R + 1) * B]), y[R * B:(R + 1) * B]).backward()
+        opt.step()
+    return m
+
+
+def reference(steps=3):
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
+    for s in range(steps):
+        x, y = batch(s)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    return m
+
+
+def close(a, b, tol=1e-12):
+    return all(torch.allclose(p, q, rtol=tol, atol=tol) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_gloo_backend_matches_reference():
+    if not hvd.gloo_built():
+        if os.environ.get("HPCTRAIN_REQUIRE_GLOO") == "1":
+            pytest.fail("this PyTorch has no Gloo but HPCTRAIN_REQUIRE_GLOO=1")
+        pytest.skip("this PyTorch has no Gloo")
+    ref = reference()
+    assert close(train("gloo", fusion_threshold=0), ref)
+    assert close(train("gloo"), ref)
+    import torch.distributed as dist
+
+    assert dist.is_initialized() and dist.get_world_size() == N and dist.get_rank() == R
+
+
+def test_mpi_backend_matches_reference():
+    assert close(train("mpi", fusion_threshold=64), reference())
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="backend='carrier-pigeon'"):
+        backends.get_backend("carrier-pigeon")
+
+
+def test_horovod_backend_needs_horovod():
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="horovod"):
+            backends.get_backend("horovod")
+
+
+def test_cpu_tensors_are_not_staged():
+    x = torch.ones(3)
+    host, restore = staging.to_host(x)
+    assert host is x and restore(host) is x

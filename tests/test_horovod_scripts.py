@@ -1,0 +1,29 @@
+"""Ordinary Horovod-style PyTorch scripts (``import hpctrain.torch as hvd``) run under mpiexec."""
+from pathlib import Path
+
+import pytest
+
+from mpirun import python_argv, run_mpi
+
+SCRIPTS = Path(__file__).parent / "horovod_scripts"
+
+CASES = [
+    ("train_mnist_style.py", 2, []),
+    ("train_mnist_style.py", 3, ["--fp16-allreduce", "--batches-per-allreduce", "2", "--gradient-predivide-factor", "2"]),
+    ("api_tour.py", 3, []),
+    ("strategies_and_helpers.py", 2, ["parameter_server:1"]),
+    ("strategies_and_helpers.py", 2, ["model_average:3"]),
+]
+
+
+@pytest.mark.parametrize("script,ranks,extra", CASES, ids=[f"{c[0][:-3]}-np{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_horovod_script(script, ranks, extra):
+    result = run_mpi(ranks, python_argv(str(SCRIPTS / script), *extra), timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert result.stdout.count("HOROVOD-SCRIPT-OK") == ranks, result.stdout[-6000:]
+
+
+def test_adasum_script_fails_clearly_without_hanging():
+    result = run_mpi(2, python_argv(str(SCRIPTS / "train_mnist_style.py"), "--use-adasum", "--epochs", "1"), timeout=300)
+    assert result.returncode != 0 and result.returncode != -9, result.stdout[-4000:]
+    assert "Adasum" in result.stdout and "NotImplementedError" in result.stdout
