@@ -422,13 +422,13 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
         dotted = ".".join(path)
         # model.kwargs.hidden=..., data.keys.x=...: entries of a free-form mapping.
         in_mapping = len(path) >= 3 and ".".join(path[:2]) in DICT_KEYS
+        if path[0] in sections and len(path) == 1:
+            raise ConfigError(f"--set {text!r}: {dotted!r} is a section; set one of its keys, "
+                              f"e.g. {sorted(k for k in allowed if k.startswith(dotted + '.'))[0]}=...")
         if dotted not in allowed and not in_mapping:
             near = [k for k in sorted(allowed) if k.split(".")[-1] == path[-1] or k.startswith(path[0] + ".")]
             raise ConfigError(f"--set {text!r}: unknown key {dotted!r}; valid keys: "
                               f"{', '.join(near or sorted(allowed))}")
-        if path[0] in sections and len(path) == 1:
-            raise ConfigError(f"--set {text!r}: {dotted!r} is a section; set one of its keys, "
-                              f"e.g. {sorted(k for k in allowed if k.startswith(dotted + '.'))[0]}=...")
         node = data
         for part in path[:-1]:
             nxt = node.get(part)

@@ -59,7 +59,7 @@ def summarize(records: List[Dict[str, Any]], summary: Optional[Dict[str, Any]] =
         "ranks": ranks,
         "final_loss": train[-1].get("loss"),
         "mean_samples_per_s": sum(tput) / len(tput) if tput else None,
-        "mean_step_time": sum(r["step_time"] for r in steady) / len(steady),
+        "mean_step_time": (sum(r.get("step_time", 0.0) for r in steady) / len(steady)),
         "per_rank": per_rank,
         "train_time": train[-1].get("time"),
         "stragglers": sorted({e["rank"] for e in events if e.get("what") == "straggler"}),
@@ -148,7 +148,7 @@ def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]
     plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3})
 
     # 1. loss and accuracy
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.4))
     ax.plot(steps, [r["loss"] for r in train], color="tab:blue", alpha=0.35, lw=1, label="training loss (per step)")
     ax.plot(steps, _moving_average([r["loss"] for r in train], max(1, len(train) // 50)), color="tab:blue", lw=2,
             label="training loss (moving average)")
@@ -156,7 +156,7 @@ def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]
         ax.plot([e["step"] for e in evals], [e.get("test_loss") for e in evals], "o-", color="tab:orange", lw=2,
                 label="test loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (cross-entropy)" if True else "loss")
+    ax.set_ylabel("loss")
     ax.set_yscale("log")
     handles, labels = ax.get_legend_handles_labels()
     if evals and any(e.get("test_accuracy") is not None for e in evals):
@@ -172,7 +172,8 @@ def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]
         title = f"Loss and accuracy — final test accuracy {acc:.3f}" if acc is not None else "Loss and accuracy"
     else:
         title = "Loss"
-    ax.legend(handles, labels, loc="center right")
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(handles), fontsize=9,
+              frameon=False)
     ax.set_title(title)
     fig.tight_layout()
     files.append(out / "loss.png")
@@ -191,7 +192,7 @@ def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]
     ax.set_ylabel("samples / s (all ranks)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"Throughput on {s['ranks']} rank(s)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=9, frameon=False)
     fig.tight_layout()
     files.append(out / "throughput.png")
     fig.savefig(files[-1], dpi=110)
