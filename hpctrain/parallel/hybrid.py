@@ -235,8 +235,10 @@ def distributed_optimizer(pipe: Any, optimizer: torch.optim.Optimizer, **kwargs:
         return optimizer
     keyword = _group_keyword()
     if keyword is not None:
+        import hpctrain.torch as hvd
         from hpctrain.torch import DistributedOptimizer
 
+        hvd.init()  # idempotent; DistributedOptimizer and process sets require it
         kwargs.setdefault("backward_passes_per_step", pipe.micro_batches)
         kwargs[keyword] = _process_set(pipe) if keyword == "process_set" else group
         return DistributedOptimizer(optimizer, named_parameters=list(pipe.named_parameters()), **kwargs)

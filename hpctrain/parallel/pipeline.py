@@ -223,8 +223,11 @@ class PipelineModule:
             self.data_parallel_group = None
             self.replica = 0
         if balance == "time" and split_points is None and sizes is None:
-            times = measure_layer_times(layers, sample_input) if comm.rank() == 0 else None
-            costs = comm.broadcast_object(times, root=0)
+            # measured once (world rank 0, or rank 0 of an explicit group) and broadcast: every
+            # stage and every replica must plan the same split
+            measuring = comm.rank() == 0 if group is None else group.rank == 0
+            times = measure_layer_times(layers, sample_input) if measuring else None
+            costs = comm.broadcast_object(times, root=0, group=group)
             plan = plan_partition(costs, stages)
         self.plan: PartitionPlan = plan
         self.stages = stages
