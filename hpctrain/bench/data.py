@@ -20,6 +20,7 @@ Targets: loader >= 90% of the raw slab rate, >= 20x naive dset[i].
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -27,7 +28,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
-import numpy as np
+from hpctrain.data.benchio import bench_file, file_stats, naive_read, raw_read
 
 DEFAULT_DIR = "/tmp/hpctrain-bench-data"
 TARGET_RAW = 0.90
@@ -59,78 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regenerate", action="store_true", help="rewrite the files even if present")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH (stdout without PATH)")
-
-
-def bench_file(directory: str, size: int, compression: str, features: int, chunk_rows: int,
-               regenerate: bool = False) -> Tuple[str, float]:
-    """Create (or reuse) the benchmark file; return its path and the seconds spent creating it."""
-    import h5py
-
-    from hpctrain.data.h5files import atomic_output
-
-    os.makedirs(directory, exist_ok=True)
-    row = features * 4 + 8
-    n = max(chunk_rows, size // row // chunk_rows * chunk_rows)
-    path = os.path.join(directory, f"bench-{n}x{features}-c{chunk_rows}-{compression}.h5")
-    if os.path.exists(path) and not regenerate:
-        try:
-            with h5py.File(path, "r") as f:
-                if f.attrs.get("complete") and f["x"].shape == (n, features):
-                    return path, 0.0
-        except OSError:
-            pass
-    t0 = time.perf_counter()
-    filters = {} if compression == "none" else {"compression": compression}
-    # Small integers as float32: realistic, partly compressible (lzf ~2x), fast to make.
-    rng = np.random.default_rng(0)
-    slab_rows = max(chunk_rows, (64 << 20) // (features * 4) // chunk_rows * chunk_rows)
-    pattern = rng.integers(0, 200, size=(slab_rows, features)).astype(np.float32)
-    with atomic_output(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            x = f.create_dataset("x", shape=(n, features), dtype=np.float32, chunks=(chunk_rows, features), **filters)
-            y = f.create_dataset("y", shape=(n,), dtype=np.int64, chunks=(chunk_rows,), **filters)
-            for lo in range(0, n, slab_rows):
-                hi = min(n, lo + slab_rows)
-                x[lo:hi] = pattern[: hi - lo]
-                y[lo:hi] = np.arange(lo, hi, dtype=np.int64) % 10
-            f.attrs["complete"] = True
-    return path, time.perf_counter() - t0
-
-
-def raw_read(path: str, lo: int, hi: int) -> int:
-    """Sequential 64 MiB slab reads of rows [lo, hi) of x and y into preallocated buffers."""
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        x, y = f["x"], f["y"]
-        row = x.shape[1] * 4 + 8
-        rows = max(1, (64 << 20) // row // x.chunks[0] * x.chunks[0])
-        bx = np.empty((rows, x.shape[1]), np.float32)
-        by = np.empty(rows, np.int64)
-        for a in range(lo, hi, rows):
-            b = min(hi, a + rows)
-            x.read_direct(bx, np.s_[a:b], np.s_[0:b - a])
-            y.read_direct(by, np.s_[a:b], np.s_[0:b - a])
-    return hi - lo
-
-
-def naive_read(path: str, lo: int, hi: int, seconds: float) -> Tuple[int, float]:
-    """Per-sample ``x[i], y[i]`` in random order for about ``seconds``: (samples, seconds)."""
-    import h5py
-
-    order = np.random.default_rng(1).permutation(np.arange(lo, hi))
-    with h5py.File(path, "r") as f:
-        x, y = f["x"], f["y"]
-        done = 0
-        t0 = time.perf_counter()
-        while done < len(order):
-            for i in order[done:done + 64]:
-                x[i]
-                y[i]
-            done = min(len(order), done + 64)
-            if time.perf_counter() - t0 >= seconds:
-                break
-        return done, time.perf_counter() - t0
 
 
 def loader_read(path: str, rank: int, size: int, batch: int, prefetch: int, epoch: int,
@@ -192,7 +121,7 @@ def timed(fn: Callable[[], int]) -> Callable[[], Tuple[int, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import hpctrain.data.loader  # noqa: F401 - import torch now, not inside the first timing
+    importlib.import_module("hpctrain.data.loader")  # import torch now, not inside the first timing
 
     world = World()
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.rank == 0 else (lambda *a: None)
@@ -204,11 +133,7 @@ def run(args: argparse.Namespace) -> int:
             path, gen_s = bench_file(args.dir, args.size, comp, args.features, args.chunk_rows, args.regenerate)
             log(f"[{comp}] {path}: " + (f"generated in {gen_s:.1f} s" if gen_s else "reused"))
         path = world.bcast(path if world.rank == 0 else None)
-        import h5py
-
-        with h5py.File(path, "r") as f:
-            n = f["x"].shape[0]
-            storage = f["x"].id.get_storage_size() + f["y"].id.get_storage_size()
+        n, storage = file_stats(path)
         share = n // world.size
         lo, hi = world.rank * share, (world.rank + 1) * share
         raw_read(path, lo, hi)  # warm the page cache
@@ -254,8 +179,8 @@ def render(records: List[Dict], args: argparse.Namespace) -> str:
             f"rows, batch {args.batch_size}, {records[0]['ranks']} rank(s), page cache warm; "
             f"median of {args.repeats}")
     lines = [head, "",
-             f"| compression | method | samples/s | MB/s | vs raw slabs | vs dset[i] |",
-             f"|---|---|---:|---:|---:|---:|"]
+             "| compression | method | samples/s | MB/s | vs raw slabs | vs dset[i] |",
+             "|---|---|---:|---:|---:|---:|"]
     for r in records:
         lines.append(f"| {r['compression']} | {r['method']} | {r['samples_per_s']:,.0f} | {r['MB_per_s']:,.0f} | "
                      f"{r['vs_raw']:.2f} | {r['vs_naive']:.1f}x |")

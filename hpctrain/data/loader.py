@@ -40,7 +40,7 @@ from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
     FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
 )
-from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, ordered_runs, plan_epoch, read_runs
+from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, plan_epoch, read_runs
 
 log = logging.getLogger("hpctrain.data")
 

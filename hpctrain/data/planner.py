@@ -329,23 +329,3 @@ def read_runs(global_ids: np.ndarray, offsets: np.ndarray, max_gap: int = 0
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(ids)]])
     return [(int(files[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
-
-
-def ordered_runs(global_ids: np.ndarray, offsets: np.ndarray, max_runs: Optional[int] = None
-                 ) -> Optional[List[Tuple[int, int, int]]]:
-    """Split ids, kept in their order, into maximal ascending runs ``(file, row_start, row_stop)``.
-
-    Reading these runs one after the other into one buffer lays the rows out in plan order,
-    so each batch is a contiguous slice of the buffer (no gather copy needed). Returns None
-    when there would be more than ``max_runs`` runs.
-    """
-    ids = np.asarray(global_ids, dtype=np.int64)
-    if ids.size == 0:
-        return []
-    files, rows = locate(ids, offsets)
-    breaks = np.flatnonzero((np.diff(ids) != 1) | (np.diff(files) != 0)) + 1
-    if max_runs is not None and len(breaks) + 1 > max_runs:
-        return None
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [len(ids)]])
-    return [(int(files[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]

@@ -1,0 +1,83 @@
+"""File I/O of ``hpctrain bench data`` (kept here: ``hpctrain.data`` is the only package that
+imports h5py): the generated benchmark file, the raw slab read and the naive per-sample read.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Tuple
+
+import h5py
+import numpy as np
+
+from hpctrain.data.h5files import atomic_output
+
+
+def bench_file(directory: str, size: int, compression: str, features: int, chunk_rows: int,
+               regenerate: bool = False) -> Tuple[str, float]:
+    """Create (or reuse) the benchmark file; return its path and the seconds spent creating it."""
+    os.makedirs(directory, exist_ok=True)
+    row = features * 4 + 8
+    n = max(chunk_rows, size // row // chunk_rows * chunk_rows)
+    path = os.path.join(directory, f"bench-{n}x{features}-c{chunk_rows}-{compression}.h5")
+    if os.path.exists(path) and not regenerate:
+        try:
+            with h5py.File(path, "r") as f:
+                if f.attrs.get("complete") and f["x"].shape == (n, features):
+                    return path, 0.0
+        except OSError:
+            pass
+    t0 = time.perf_counter()
+    filters = {} if compression == "none" else {"compression": compression}
+    # Small integers as float32: realistic, partly compressible (lzf ~2x), fast to make.
+    rng = np.random.default_rng(0)
+    slab_rows = max(chunk_rows, (64 << 20) // (features * 4) // chunk_rows * chunk_rows)
+    pattern = rng.integers(0, 200, size=(slab_rows, features)).astype(np.float32)
+    with atomic_output(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            x = f.create_dataset("x", shape=(n, features), dtype=np.float32, chunks=(chunk_rows, features), **filters)
+            y = f.create_dataset("y", shape=(n,), dtype=np.int64, chunks=(chunk_rows,), **filters)
+            for lo in range(0, n, slab_rows):
+                hi = min(n, lo + slab_rows)
+                x[lo:hi] = pattern[: hi - lo]
+                y[lo:hi] = np.arange(lo, hi, dtype=np.int64) % 10
+            f.attrs["complete"] = True
+    return path, time.perf_counter() - t0
+
+
+def raw_read(path: str, lo: int, hi: int) -> int:
+    """Sequential 64 MiB slab reads of rows [lo, hi) of x and y into preallocated buffers."""
+    with h5py.File(path, "r") as f:
+        x, y = f["x"], f["y"]
+        row = x.shape[1] * 4 + 8
+        rows = max(1, (64 << 20) // row // x.chunks[0] * x.chunks[0])
+        bx = np.empty((rows, x.shape[1]), np.float32)
+        by = np.empty(rows, np.int64)
+        for a in range(lo, hi, rows):
+            b = min(hi, a + rows)
+            x.read_direct(bx, np.s_[a:b], np.s_[0:b - a])
+            y.read_direct(by, np.s_[a:b], np.s_[0:b - a])
+    return hi - lo
+
+
+def naive_read(path: str, lo: int, hi: int, seconds: float) -> Tuple[int, float]:
+    """Per-sample ``x[i], y[i]`` in random order for about ``seconds``: (samples, seconds)."""
+    order = np.random.default_rng(1).permutation(np.arange(lo, hi))
+    with h5py.File(path, "r") as f:
+        x, y = f["x"], f["y"]
+        done = 0
+        t0 = time.perf_counter()
+        while done < len(order):
+            for i in order[done:done + 64]:
+                x[i]
+                y[i]
+            done = min(len(order), done + 64)
+            if time.perf_counter() - t0 >= seconds:
+                break
+        return done, time.perf_counter() - t0
+
+
+def file_stats(path: str) -> Tuple[int, int]:
+    """Samples and stored bytes (x and y) of a benchmark file."""
+    with h5py.File(path, "r") as f:
+        return f["x"].shape[0], int(f["x"].id.get_storage_size() + f["y"].id.get_storage_size())
