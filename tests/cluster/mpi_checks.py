@@ -231,6 +231,37 @@ def test_auto_picks_hierarchical_across_nodes(world, monkeypatch):
     assert [c["cross"] for c in calls] == [spans], calls
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_shared_buffer_across_nodes(world, algorithm):
+    """Zero-copy all-reduce on a buffer in the node's shared window, on a group that spans
+    nodes: the window holds one node's ranks; the inter-node ring joins the nodes."""
+    spans = len(layout()) > 1
+    n = world.size
+    assert comm.choose_algorithm(BIG * 4, shared=True) == ("hierarchical" if spans else "shm")
+    sbuf = comm.shared_buffer(BIG, "float32")
+    try:
+        sbuf.array[:] = rank_data(BIG, "float32", world.rank)
+        assert comm.allreduce_(sbuf.array, algorithm=algorithm) is sbuf.array
+        check(sbuf.array, reference(BIG, world.rank, "sum"), "float32", "sum", f"shared buffer, {algorithm}")
+        # A view into the buffer (like one gradient bucket): only the view changes.
+        sbuf.array[:] = -1.0
+        view = sbuf.array[7:7 + n + 1]
+        view[:] = rank_data(n + 1, "float32", world.rank)
+        comm.allreduce_(view, algorithm=algorithm)
+        check(view, reference(n + 1, world.rank, "sum"), "float32", "sum", f"shared view, {algorithm}")
+        assert np.all(sbuf.array[:7] == -1.0) and np.all(sbuf.array[7 + n + 1:] == -1.0)
+    finally:
+        comm.free_shared_buffer(sbuf)
+    sb16 = comm.shared_buffer(70001, "bfloat16")
+    try:
+        t = sb16.tensor()
+        t.copy_(as_input(rank_data(70001, "bfloat16", world.rank), "bfloat16"))
+        comm.allreduce_(t, algorithm=algorithm)
+        check(t, reference(70001, world.rank, "sum"), "bfloat16", "sum", f"shared bfloat16, {algorithm}")
+    finally:
+        comm.free_shared_buffer(sb16)
+
+
 # --------------------------------------------------------------------------- sub-groups across nodes
 def test_groups_of_one_rank_per_node(world):
     # Ranks with the same local rank, one per node: a group spanning every node.
@@ -252,7 +283,9 @@ def test_groups_within_one_node(world):
     host, local_rank, local_size, _ = expected_placement()[world.rank]
     assert (g.size, g.rank, g.local_size, g.cross_size) == (local_size, local_rank, local_size, 1)
     big = 4 << 20
-    assert comm.choose_algorithm(big, group=g) == ("shm" if local_size > 1 else "native")
+    # One node: never the cross-node path; on a shared buffer, the node's window.
+    assert comm.choose_algorithm(big, group=g) in (("native", "ring") if local_size > 1 else ("native",))
+    assert comm.choose_algorithm(big, group=g, shared=True) == ("shm" if local_size > 1 else "native")
     x = np.full(big // 4, world.rank + 1, dtype=np.float32)
     out = comm.allreduce(x, group=g)
     assert np.all(out == sum(r + 1 for r in g.ranks))
