@@ -113,12 +113,14 @@ kill_ns_pids() {
   ns_exists "$ns" || return 0
   pids=$(ip netns pids "$ns" 2>/dev/null || true)
   [ -n "$pids" ] || return 0
+  # shellcheck disable=SC2086  # a list of pids, split on purpose
   kill $pids 2>/dev/null || true
   for _ in 1 2 3 4 5 6 7 8 9 10; do
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
     [ -z "$pids" ] && return 0
     sleep 0.2
   done
+  # shellcheck disable=SC2086
   kill -9 $pids 2>/dev/null || true
 }
 

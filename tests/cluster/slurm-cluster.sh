@@ -218,12 +218,17 @@ cmd_stop() {
 
 cmd_status() {
   [ -f "$CONF" ] || { echo "slurm: down"; return 3; }
-  local rc=0 pid f
-  for f in "$MUNGE_PID:munged" "$CTLD_PID:slurmctld" "$SDIR"/slurmd.node*.pid; do
-    case "$f" in
-      *:*) pid=$(live_pid "${f%%:*}" "${f##*:}") && echo "${f##*:}: pid $pid" || { echo "${f##*:}: not running"; rc=3; } ;;
-      *) pid=$(live_pid "$f" slurmd) && echo "$(basename "$f" .pid): pid $pid" || { echo "$(basename "$f" .pid): not running"; rc=3; } ;;
-    esac
+  local rc=0 pid
+  local spec name
+  # shellcheck disable=SC2046
+  for spec in "$MUNGE_PID:munged" "$CTLD_PID:slurmctld" $(slurmd_specs); do
+    name=${spec##*:}
+    [ "$name" = slurmd ] && name=$(basename "${spec%%:*}" .pid)
+    if pid=$(live_pid "${spec%%:*}" "${spec##*:}"); then
+      echo "$name: pid $pid"
+    else
+      echo "$name: not running"; rc=3
+    fi
   done
   [ $rc = 0 ] && { client sinfo -N -o '%N %P %c %t' || rc=3; }
   return $rc
@@ -244,6 +249,10 @@ case "$action" in
   stop) cmd_stop ;;
   status) cmd_status ;;
   env) echo "export SLURM_CONF=$CONF" ;;
-  check) r=$(missing_reason); [ -z "$r" ] && echo ok || { echo "$r"; exit 2; } ;;
+  check)
+    r=$(missing_reason)
+    if [ -n "$r" ]; then echo "$r"; exit 2; fi
+    echo ok
+    ;;
   *) sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac
