@@ -252,7 +252,6 @@ class PipelineModule:
         # shapes agreed with the neighbours, keyed by micro-batch row count
         self._sent_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
         self._recv_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
-        self._out_meta: Dict[int, Tuple[Tuple[int, ...], torch.dtype]] = {}
         self._pool: Dict[Tuple[Tuple[int, ...], torch.dtype], List[torch.Tensor]] = {}
         self._grad_bufs: Dict[Tuple[Tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._pooled_out: set = set()  # ids of pooled CPU buffers holding a device tensor to send

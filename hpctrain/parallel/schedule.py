@@ -26,6 +26,7 @@ backward times it equals ``(S−1)/(M+S−1)`` for both schedules.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
@@ -211,7 +212,8 @@ def lower(schedule: Schedule) -> Program:
     S = schedule.stages
     acts = schedule.actions
     pos = [0] * S
-    pending: List[Deque[Op]] = [deque() for _ in range(S)]
+    # pending sends per stage and neighbour, oldest first (per-channel FIFO order)
+    pending: List[Dict[int, Deque[Op]]] = [{} for _ in range(S)]
     have: List[set] = [set() for _ in range(S)]  # received (kind, m)
     ops: List[List[Op]] = [[] for _ in range(S)]
 
@@ -230,14 +232,13 @@ def lower(schedule: Schedule) -> Program:
         while matched:
             matched = False
             for s in range(S):
-                # the oldest pending send towards each neighbour (per-channel FIFO order)
-                fronts: Dict[int, Op] = {}
-                for op in pending[s]:
-                    fronts.setdefault(op.peer, op)
-                for op in fronts.values():
+                for queue in pending[s].values():
+                    if not queue:
+                        continue
+                    op = queue[0]
                     want = next_recv(op.peer)
                     if want is not None and _matches(op, s, want):
-                        pending[s].remove(op)
+                        queue.popleft()
                         ops[s].append(op)
                         ops[op.peer].append(want)
                         have[op.peer].add((want.kind, want.micro_batch))
@@ -249,10 +250,10 @@ def lower(schedule: Schedule) -> Program:
                 ops[s].append(Op(FWD if kind == "fwd" else BWD, m))
                 send = _produced_send(s, S, acts[s][pos[s]])
                 if send is not None:
-                    pending[s].append(send)
+                    pending[s].setdefault(send.peer, deque()).append(send)
                 pos[s] += 1
                 progressed = True
-        if all(p == len(a) for p, a in zip(pos, acts)) and not any(pending):
+        if all(p == len(a) for p, a in zip(pos, acts)) and not any(q for d in pending for q in d.values()):
             break
         if not progressed:
             stuck = {s: (acts[s][pos[s]] if pos[s] < len(acts[s]) else None) for s in range(S)}
@@ -262,7 +263,12 @@ def lower(schedule: Schedule) -> Program:
 
 
 def make_program(kind: str, stages: int, micro_batches: int) -> Program:
-    """Schedule and lower in one call."""
+    """Schedule and lower in one call (cached: a program depends only on its arguments)."""
+    return _cached_program(normalize_schedule(kind), stages, micro_batches)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_program(kind: str, stages: int, micro_batches: int) -> Program:
     return lower(make_schedule(kind, stages, micro_batches))
 
 
