@@ -8,11 +8,9 @@ from mpirun import python_argv, run_mpi
 SCRIPTS = Path(__file__).parent / "horovod_scripts"
 
 CASES = [
-    ("train_mnist_style.py", 2, []),
-    ("train_mnist_style.py", 3, ["--fp16-allreduce", "--batches-per-allreduce", "2", "--gradient-predivide-factor", "2"]),
+    ("train_mnist_style.py", 2, ["--fp16-allreduce", "--batches-per-allreduce", "2", "--gradient-predivide-factor", "2"]),
     ("api_tour.py", 3, []),
-    ("strategies_and_helpers.py", 2, ["parameter_server:1"]),
-    ("strategies_and_helpers.py", 2, ["model_average:3"]),
+    ("strategies_and_helpers.py", 2, ["allreduce,parameter_server:1,model_average:3"]),
 ]
 
 
