@@ -313,7 +313,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         into ``staging`` and the consumer gathers them (:meth:`_arrange`).
         """
         if len(ids) and np.all(ids[1:] > ids[:-1]):
-            runs = read_runs(ids, self.offsets, max_gap=0)
+            runs = read_runs(ids, self.offsets, max_gap=0, ascending=True)
             arrays = pool.take(len(ids))
             self._read_runs(runs, arrays)
             return arrays, None
@@ -376,15 +376,19 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             windows = windows[worker.id::worker.num_workers]
         return windows
 
-    def _batches(self, plan: RankPlan, window: Tuple[int, int], arrays: Dict[str, np.ndarray]) -> Iterator[Batch]:
+    def _batches(self, plan: RankPlan, window: Tuple[int, int], arrays: Dict[str, np.ndarray],
+                 mask: torch.Tensor, index: torch.Tensor) -> Iterator[Batch]:
         """Batches of one window: views of its arrays (no copy), cast and transformed."""
         b = plan.batch_size
         s0, s1 = window
+        # Batch tensors are slices of these: they keep the window's arrays referenced (and so
+        # out of the pool) for as long as any batch lives.
+        tensors = {key: torch.from_numpy(arrays[key]) for key in self.keys}
         for step in range(s0, s1):
             sl = slice((step - s0) * b, (step - s0 + 1) * b)
             batch: Batch = {}
             for key in self.keys:
-                t = torch.from_numpy(arrays[key][sl])
+                t = tensors[key][sl]
                 dt = self.dtypes.get(key)
                 if dt is not None and t.dtype != dt:
                     t = t.to(dt)
@@ -393,8 +397,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     t = fn(t)
                 batch[key] = t
             g = slice(step * b, (step + 1) * b)
-            batch[self.mask_key] = torch.from_numpy(plan.mask[g])
-            batch[self.index_key] = torch.from_numpy(plan.indices[g])
+            batch[self.mask_key] = mask[g]
+            batch[self.index_key] = index[g]
             if self.transform is not None:
                 batch = self.transform(batch)
             yield batch
@@ -408,18 +412,20 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         windows = self._windows(plan)
         pool = self._pool(plan)
         b = plan.batch_size
+        mask, index = torch.from_numpy(plan.mask), torch.from_numpy(plan.indices)
         if self.prefetch == 0:
             staging: Dict[str, np.ndarray] = {}
             for s0, s1 in windows:
                 arrays, rows = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
                 arrays = self._arrange(arrays, rows, pool)
                 del rows
-                yield from self._batches(plan, (s0, s1), arrays)
+                yield from self._batches(plan, (s0, s1), arrays, mask, index)
                 del arrays
             return
-        yield from self._iter_prefetch(plan, windows, pool)
+        yield from self._iter_prefetch(plan, windows, pool, mask, index)
 
-    def _iter_prefetch(self, plan: RankPlan, windows: List[Tuple[int, int]], pool: "_WindowPool") -> Iterator[Batch]:
+    def _iter_prefetch(self, plan: RankPlan, windows: List[Tuple[int, int]], pool: "_WindowPool",
+                       mask: torch.Tensor, index: torch.Tensor) -> Iterator[Batch]:
         b = plan.batch_size
         # Staging buffers circulate between the producer (reads) and the consumer (gathers).
         free: "queue.Queue[Dict[str, np.ndarray]]" = queue.Queue()
@@ -456,7 +462,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 rows = None
                 free.put(staging)  # gathered (or never used): the producer may refill it
                 staging = None
-                yield from self._batches(plan, window, arrays)
+                yield from self._batches(plan, window, arrays, mask, index)
                 arrays = None
         finally:
             stop.set()

@@ -313,17 +313,20 @@ def plan_all(counts: Sequence[int], world_size: int, batch_size: int, **kwargs) 
     return [plan_epoch(counts, world_size, r, batch_size, **kwargs) for r in range(world_size)]
 
 
-def read_runs(global_ids: np.ndarray, offsets: np.ndarray, max_gap: int = 0
+def read_runs(global_ids: np.ndarray, offsets: np.ndarray, max_gap: int = 0, ascending: bool = False
               ) -> List[Tuple[int, int, int]]:
     """Cover a set of global ids with few contiguous reads: ``[(file, row_start, row_stop)]``.
 
-    Ids are sorted; neighbouring ids closer than ``max_gap`` rows in the same file share one
-    read (reading a few unused rows beats one more HDF5 call). Reads never cross a file.
+    Ids are sorted (pass ``ascending=True`` when they already strictly ascend); neighbouring
+    ids closer than ``max_gap`` rows in the same file share one read (reading a few unused
+    rows beats one more HDF5 call). Reads never cross a file.
     """
-    ids = np.sort(np.asarray(global_ids, dtype=np.int64))
+    ids = np.asarray(global_ids, dtype=np.int64)
     if ids.size == 0:
         return []
-    ids = ids[np.concatenate([[True], ids[1:] != ids[:-1]])]  # unique (np.unique hashes: slower)
+    if not ascending:
+        ids = np.sort(ids)
+        ids = ids[np.concatenate([[True], ids[1:] != ids[:-1]])]  # unique (np.unique hashes: slower)
     files, rows = locate(ids, offsets)
     breaks = np.flatnonzero((np.diff(ids) > max_gap + 1) | (np.diff(files) != 0)) + 1
     starts = np.concatenate([[0], breaks])
