@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import warnings
@@ -50,6 +51,17 @@ Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 _COMM_OP = {ReduceOp.Average: "avg", ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max",
             ReduceOp.Product: "prod"}
 _PS_TAG = 7301  # point-to-point tag of parameter-server gradient messages
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1 or 0")
 
 
 def _default_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -90,6 +102,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     - ``backend``: ``"mpi"`` (default), ``"gloo"``, ``"nccl"``, ``"horovod"`` — who moves the buckets.
     - ``fusion_threshold``: bucket size in bytes (overrides the environment).
     - ``bucket_allocator``: where bucket buffers live (e.g. a shared-memory window).
+    - ``overlap``: start a bucket's all-reduce during backward as soon as it is full (default,
+      or ``HPCTRAIN_OVERLAP=1``); False starts all of them in ``step()`` — on machines with
+      fewer cores than ranks × threads the communication thread competes with backward.
 
     The returned object is a ``torch.optim.Optimizer``: ``param_groups``, ``state``,
     ``state_dict()``, LR schedulers work as on the wrapped optimizer (which it shares).
@@ -110,6 +125,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backend: Optional[str] = None,
         fusion_threshold: Optional[int] = None,
         bucket_allocator: Optional[Allocator] = None,
+        overlap: Optional[bool] = None,
     ) -> None:
         # Deliberately not calling Optimizer.__init__: we wrap the user's optimizer (sharing its
         # param_groups and state) instead of building a second one.
@@ -177,6 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._no_sync_depth = 0
         self._hook_handles: List[Any] = []
+        self._overlap = _env_flag("HPCTRAIN_OVERLAP", True) if overlap is None else bool(overlap)
         self._ma_samples = 0.0
         self._ma_steps = 0
         #: seconds spent waiting for communication in synchronize(), summed (for benchmarks)
@@ -364,7 +381,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._adopt_grad(i)
                 state = self._states[b]
                 state.pending -= 1
-                if state.pending == 0:
+                if state.pending == 0 and self._overlap:
                     self._launch_ready()
 
         return hook

@@ -262,3 +262,20 @@ def test_predivide_needs_average():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(sgd(mlp().parameters()), op=hvd.Sum, gradient_predivide_factor=2.0)
 
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_on_and_off(overlap):
+    """With overlap, buckets are in flight before step(); without, none is; same result."""
+    ref = reference("mlp", 2, sgd)
+    model = mlp()
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                   fusion_threshold=0, overlap=overlap)
+    for s in range(2):
+        x, y = data("mlp", s, N * B)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[R * B:(R + 1) * B]), y[R * B:(R + 1) * B]).backward()
+        launched = sum(st.launched for st in opt._states)
+        assert launched == (len(opt.plan.buckets) if overlap else 0)
+        opt.step()
+    assert max_rel(model, ref) <= 1e-10
