@@ -2,6 +2,7 @@
 unwritable checkpoint directory, bad config, report."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -126,3 +127,44 @@ def test_train_then_report(data, tmp_path):
     again = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", "auto"], timeout=180)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "at step 40" in again.stdout
+
+
+def test_preemption_signal_on_one_rank_checkpoints_and_resume_finishes(data, tmp_path):
+    """SIGUSR1 to rank 1 only: every rank stops at the same step, a checkpoint is written, the
+    job exits 128+10 (no SLURM to requeue); `--resume auto` then finishes the run."""
+    import psutil
+
+    from mpirun import mpiexec_argv
+    from hpctrain.train import checkpoint as ckpt
+
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run",
+                       "debug: {slow_rank: 0, slow_ms: 30}\ncheckpoint: {interval_steps: 1000}")
+    cmd = mpiexec_argv(2) + [*HPCTRAIN, "train", str(cfg), "--set", "steps=2000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 150
+        while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "hpctrain.cli.main" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        by_rank = {int(p.environ().get("OMPI_COMM_WORLD_RANK", "-1")): p for p in ranks}
+        by_rank[1].send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGUSR1, out[-3000:]
+    assert "stop signal received" in out, out[-3000:]
+    found = ckpt.newest_valid(tmp_path / "run" / "checkpoints")
+    assert found is not None
+    stopped_at = found[1]["step"]
+    assert 3 <= stopped_at < 2000
+    again = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", "auto", "--set", "steps=" + str(stopped_at + 5),
+                        "--set", "debug.slow_ms=0"], timeout=180)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"at step {stopped_at + 5}" in again.stdout

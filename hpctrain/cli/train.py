@@ -37,6 +37,15 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.set_defaults(func=run)
 
 
+def _env_rank() -> int:
+    """This process's rank from the launcher's environment (before MPI is initialized)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s hpctrain[%(process)d] rank " + str(rank) + " %(levelname)s: %(message)s",
@@ -52,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"hpctrain train: {args.config}: {exc}", file=sys.stderr)
+        if _env_rank() == 0:  # every rank reads the same file: say it once
+            print(f"hpctrain train: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
         return _dry_run(cfg, args)
@@ -117,8 +127,7 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"config {args.config}: valid")
         print(plan.describe())
-        print(f"run directory: {cfg.run_dir}   checkpoints: {cfg.checkpoint_dir} "
-              f"(keep {cfg.checkpoint.keep}, every {cfg.checkpoint.interval_steps or 'epoch'} "
-              f"{'steps' if cfg.checkpoint.interval_steps else ''})".rstrip())
+        every = f"every {cfg.checkpoint.interval_steps} steps" if cfg.checkpoint.interval_steps else "every epoch"
+        print(f"run directory: {cfg.run_dir}   checkpoints: {cfg.checkpoint_dir} (keep {cfg.checkpoint.keep}, {every})")
         print("dry run: nothing trained")
     return 0

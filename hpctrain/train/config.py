@@ -480,8 +480,13 @@ def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = 
         _resolve_paths(raw, p.resolve().parent)
     if data is not None:
         raw = _merge(raw, dict(data))
-    raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw)
+    try:
+        raw = apply_overrides(raw, overrides)
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
