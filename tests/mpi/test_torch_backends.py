@@ -88,3 +88,14 @@ def test_cpu_tensors_are_not_staged():
     x = torch.ones(3)
     host, restore = staging.to_host(x)
     assert host is x and restore(host) is x
+
+
+def test_horovod_backend_matches_reference():
+    """Last in this file: once Horovod's background thread runs, it slows other MPI traffic."""
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("HPCTRAIN_REQUIRE_HOROVOD") == "1":
+            pytest.fail(f"horovod.torch does not import ({exc}) but HPCTRAIN_REQUIRE_HOROVOD=1")
+        pytest.skip(f"horovod.torch does not import: {exc}")
+    assert close(train("horovod"), reference())
