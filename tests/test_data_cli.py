@@ -100,3 +100,27 @@ def test_bench_data_runs(tmp_path):
     # A second run reuses the generated files.
     files = sorted(p.name for p in Path(tmp_path).glob("bench-*.h5"))
     assert len(files) == 2
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    np.save(tmp_path / "x.npy", np.zeros((1000, 100), np.float32))
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = HPCTRAIN + ["data", "pack", "x.npy", "--out", "p.h5"]
+    proc = subprocess.run(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=slave, timeout=300, env=env)
+    seen = b""
+    while select.select([master], [], [], 0.5)[0]:  # the slave stays open: buffered output stays readable
+        seen += os.read(master, 65536)
+    os.close(slave)
+    os.close(master)
+    assert proc.returncode == 0
+    assert b"pack p.h5" in seen  # tqdm drew a bar on the terminal
+    r = run(argv + ["--quiet"], tmp_path)
+    assert r.returncode == 0 and r.stderr == ""
