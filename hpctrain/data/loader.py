@@ -314,9 +314,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         """
         if len(ids) and np.all(ids[1:] > ids[:-1]):
             runs = read_runs(ids, self.offsets, max_gap=0, ascending=True)
-            arrays = pool.take(len(ids))
-            self._read_runs(runs, arrays)
-            return arrays, None
+            if len(runs) <= max(1, len(ids) // 16):  # not e.g. strided ids: one read per sample
+                arrays = pool.take(len(ids))
+                self._read_runs(runs, arrays)
+                return arrays, None
         runs = read_runs(ids, self.offsets, max_gap=self._gap)
         total = sum(hi - lo for _, lo, hi in runs)
         for key in self.keys:

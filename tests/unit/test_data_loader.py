@@ -254,3 +254,15 @@ def test_set_weights_rebalances_with_equal_steps(three_files):
     with pytest.raises(ConfigError):
         dss[0].set_weights([1.0])
     assert dss[0].batch_size_here == 3
+
+
+def test_strided_block_mode_reads_few_slabs(three_files, monkeypatch):
+    import hpctrain.data.loader as L
+
+    calls = []
+    real = L._read_union
+    monkeypatch.setattr(L, "_read_union", lambda d, runs, out: (calls.append(len(runs)), real(d, runs, out)))
+    paths, n = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=1, world_size=3, policy="strided", shuffle="block")
+    ids, mask = collect(ds)
+    assert sum(calls) < len(ids) / 4  # covering slabs, not one read per sample
