@@ -257,16 +257,9 @@ def test_slurm_preempt_requeue_resume_on_two_nodes(slurm_jobs):
         assert np.array_equal(results[name], results["reference"]), f"{name}: resumed result differs"
 
 
-MPIRUN_NODE_RANK_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="hpctrain.slurm.env under mpirun takes OMPI_COMM_WORLD_NODE_RANK as the node index, but "
-           "Open MPI sets it to the rank among the processes on the node (0,1,0,1 at 2x2, not 0,0,1,1); "
-           "found by this test — remove this mark when hpctrain/slurm/env.py is fixed",
-)
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=MPIRUN_NODE_RANK_BUG) if c.startswith("mpirun") else c
-                                  for c in sorted(SLURM_CASES)])
+# mpirun-2x2 found a bug here (node index under mpirun taken from OMPI_COMM_WORLD_NODE_RANK,
+# which is the rank within the node): fixed in hpctrain/slurm/env.py.
+@pytest.mark.parametrize("case", sorted(SLURM_CASES))
 def test_slurm_cpu_template_across_nodes(slurm_jobs, case):
     from cluster import wait_job_on_cluster
 

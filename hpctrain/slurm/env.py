@@ -12,6 +12,8 @@ built and tested in one process.
 """
 from __future__ import annotations
 
+import socket
+
 import os
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
@@ -105,10 +107,11 @@ def from_environ(env: Optional[Mapping[str, str]] = None) -> Optional[SlurmEnv]:
         size = _int(env, "OMPI_COMM_WORLD_SIZE") or 1
         local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1
-        node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK")
-        if node_rank is None:
-            host = env.get("SLURMD_NODENAME", "")
-            node_rank = nodes.index(host) if host in nodes else 0
+        # Not OMPI_COMM_WORLD_NODE_RANK: Open MPI sets it to the rank among the processes
+        # on the node; and SLURM_NODEID describes mpirun's daemon step (0 on every node).
+        # The node index is this host's place in the job's node list (found across "nodes").
+        host = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+        node_rank = nodes.index(host) if host in nodes else 0
     elif "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         launcher = "srun"
         rank = _int(env, "SLURM_PROCID") or 0

@@ -35,13 +35,16 @@ def test_srun_every_rank():
 
 
 def test_mpirun_ranks_come_from_open_mpi_not_slurm_procid():
-    """Under mpirun every rank inherits SLURM_PROCID=0 (seen on a real slurmd)."""
+    """Under mpirun every rank inherits SLURM_PROCID=0 and SLURM_NODEID=0, and Open MPI's
+    OMPI_COMM_WORLD_NODE_RANK is the rank *within* the node (all seen in a real 2-node job):
+    the node index must come from the host's place in the node list."""
     views = []
     for r in range(8):
-        env = dict(JOB, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURMD_NODENAME="gpu01",
+        env = dict(JOB, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+                   SLURMD_NODENAME=["gpu01", "gpu02"][r // 4],
                    OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="8",
                    OMPI_COMM_WORLD_LOCAL_RANK=str(r % 4), OMPI_COMM_WORLD_LOCAL_SIZE="4",
-                   OMPI_COMM_WORLD_NODE_RANK=str(r // 4))
+                   OMPI_COMM_WORLD_NODE_RANK=str(r % 4))
         views.append(from_environ(env))
     assert [v.rank for v in views] == list(range(8))
     assert [v.node_rank for v in views] == [0] * 4 + [1] * 4
