@@ -135,30 +135,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
         self._inner = optimizer
-        self._op = _resolve_op(None, op)
-        if gradient_predivide_factor != 1.0 and self._op != ReduceOp.Average:
-            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with "
-                             f"op=Average, got op={self._op.name}")
-        if gradient_predivide_factor <= 0:
-            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor}: expected a positive number")
+        self._rank, self._size = comm.rank(), comm.size()
+        # Validate locally, then agree: a rank that rejects its arguments must not leave the
+        # others waiting in the next collective, so every rank learns every rank's verdict.
+        local_error: Optional[BaseException] = None
+        specs: List[bk.ParamSpec] = []
+        threshold = 0
+        group_indices: Optional[List[List[int]]] = None
+        backend_name = (backend or os.environ.get("HPCTRAIN_BACKEND") or "mpi").lower()
+        try:
+            self._op = _resolve_op(None, op)
+            if gradient_predivide_factor != 1.0 and self._op != ReduceOp.Average:
+                raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported with "
+                                 f"op=Average, got op={self._op.name}")
+            if gradient_predivide_factor <= 0:
+                raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor}: expected a positive number")
+            if int(backward_passes_per_step) < 1:
+                raise ValueError(f"backward_passes_per_step={backward_passes_per_step}: expected an integer >= 1")
+            self._strategy: Strategy = parse_sync(sync)
+            if isinstance(self._strategy, ParameterServer) and not 0 <= self._strategy.server_rank < self._size:
+                raise ValueError(f"parameter_server server_rank={self._strategy.server_rank} but there are only "
+                                 f"{self._size} ranks")
+            self._params, self._names = self._collect(named_parameters)
+            specs = [bk.ParamSpec(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
+            threshold = bk.fusion_threshold_from_env() if fusion_threshold is None else int(fusion_threshold)
+            group_indices = self._group_indices(groups)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            local_error = exc
         self._predivide = float(gradient_predivide_factor)
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step}: expected an integer >= 1")
-        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.backward_passes_per_step = max(1, int(backward_passes_per_step))
         self._compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
-        self._strategy: Strategy = parse_sync(sync)
-        self._backend: Backend = get_backend(backend)
-        self._rank, self._size = comm.rank(), comm.size()
-
-        self._params, self._names = self._collect(named_parameters)
-        specs = [bk.ParamSpec(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
-        threshold = bk.fusion_threshold_from_env() if fusion_threshold is None else int(fusion_threshold)
-        group_indices = self._group_indices(groups)
-        self._verify_across_ranks(specs, threshold, group_indices)
-        if isinstance(self._strategy, ParameterServer) and not 0 <= self._strategy.server_rank < self._size:
-            raise ValueError(f"parameter_server server_rank={self._strategy.server_rank} but there are only "
-                             f"{self._size} ranks")
+        self._verify_across_ranks(local_error, specs, threshold, group_indices, backend_name, sync)
+        self._backend: Backend = get_backend(backend_name)
         self.plan = bk.plan_buckets(specs, threshold, group_indices)
 
         devices = {p.device for p in self._params}
@@ -335,16 +344,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             out.append(idx)
         return out
 
-    def _verify_across_ranks(self, specs: List[bk.ParamSpec], threshold: int,
-                             groups: Optional[List[List[int]]]) -> None:
-        """Every rank must plan the same buckets; compare a digest, explain any difference."""
-        options = (self._strategy, self._op.name, getattr(self._compression, "__name__", str(self._compression)),
-                   self.backward_passes_per_step, self._predivide, threshold, groups, self._backend.name)
-        mine = (bk.specs_digest(specs), repr(options))
+    def _verify_across_ranks(self, local_error: Optional[BaseException], specs: List[bk.ParamSpec], threshold: int,
+                             groups: Optional[List[List[int]]], backend: str, sync: Any) -> None:
+        """Every rank must accept its arguments and plan the same buckets: one all-gather of
+        (error, digest of names/shapes/dtypes, options); a clear error on every rank otherwise."""
+        error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+        options = None
+        if local_error is None:
+            options = repr((self._strategy, self._op.name, getattr(self._compression, "__name__", str(self._compression)),
+                            self.backward_passes_per_step, self._predivide, threshold, groups, backend))
+        mine = (error, bk.specs_digest(specs), options)
         everyone = comm.allgather_object(mine)
-        if all(e == everyone[0] for e in everyone):
-            return
-        if any(e[0] != everyone[0][0] for e in everyone):
+        if local_error is not None:
+            raise local_error
+        failed = [(r, e[0]) for r, e in enumerate(everyone) if e[0] is not None]
+        if failed:
+            r, msg = failed[0]
+            raise ValueError(f"DistributedOptimizer: rank {r} rejected its arguments ({msg}); no rank can continue.\n"
+                             "HINT: fix the arguments on that rank; every rank must create the optimizer the same way")
+        if any(e[1] != everyone[0][1] for e in everyone):
             all_specs = comm.allgather_object(specs)
             why = bk.describe_spec_mismatch(all_specs) or "parameter lists differ"
             raise ValueError(
@@ -352,10 +370,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "Gradients of different shapes cannot be all-reduced together.\n"
                 "HINT: build the same model on every rank (same architecture, same order); create rank-specific "
                 "layers outside the optimizer")
-        opts = {r: e[1] for r, e in enumerate(everyone)}
-        raise ValueError(f"DistributedOptimizer: ranks were created with different options: {opts}.\n"
-                         "HINT: pass the same op, compression, sync, backend, groups and "
-                         "HPCTRAIN_FUSION_THRESHOLD on every rank")
+        if any(e[2] != everyone[0][2] for e in everyone):
+            opts = {r: e[2] for r, e in enumerate(everyone)}
+            raise ValueError(f"DistributedOptimizer: ranks were created with different options: {opts}.\n"
+                             "HINT: pass the same op, compression, sync, backend, groups and "
+                             "HPCTRAIN_FUSION_THRESHOLD on every rank")
 
     # ------------------------------------------------------------------ hooks and buckets
     def _register_hooks(self) -> None:

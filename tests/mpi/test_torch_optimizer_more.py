@@ -279,3 +279,13 @@ def test_overlap_on_and_off(overlap):
         assert launched == (len(opt.plan.buckets) if overlap else 0)
         opt.step()
     assert max_rel(model, ref) <= 1e-10
+
+
+def test_bad_arguments_on_one_rank_fail_every_rank():
+    """Rank 0 alone passes duplicate names: rank 0 gets the duplicate error, the others an
+    error naming rank 0 — nobody waits in a collective."""
+    model = mlp()
+    named = [("w", p) for p in model.parameters()] if R == 0 else list(model.named_parameters())
+    expected = "duplicates" if R == 0 else "rank 0 rejected"
+    with pytest.raises(ValueError, match=expected):
+        hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named)
