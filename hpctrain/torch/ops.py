@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hpctrain import comm
+from hpctrain import comm as _comm  # for init(), whose argument is called comm as in Horovod
 
 from . import staging
 from .compression import Compression
@@ -155,14 +156,14 @@ def _group_size(process_set: Optional[ProcessSet]) -> int:
 
 
 # --------------------------------------------------------------------------- basics
-def init(comm_: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:
+def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:  # noqa: F811
     """Start MPI (idempotent). ``process_sets``: sets to register right away."""
-    if comm_ is not None:
+    if comm is not None:
         raise NotImplementedError(
             "hvd.init(comm=...) with a custom communicator is not supported; hpctrain always "
             "starts on MPI_COMM_WORLD.\nHINT: call hvd.init() and use hvd.add_process_set(ranks) "
             "for collectives over a subset of ranks")
-    comm.init()
+    _comm.init()
     for ps in process_sets or ():
         if not ps._registered:
             add_process_set(ps)
