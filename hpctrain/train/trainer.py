@@ -426,8 +426,9 @@ class Trainer:
                             correct += float(((out.detach().argmax(1) == y) & mask).sum())
                     t4 = time.perf_counter()
                     opt.synchronize()  # waits for the gradient buckets (no-op for model_average)
-                    stop_flag = guard is not None and guard.received is not None
-                    row = np.array([loss_sum, n_real, float(nonfinite), float(stop_flag), correct, *prev_times])
+                    # Stop flag = the signal number this rank received (0: none); any rank -> all stop.
+                    stop_sig = float(int(guard.received)) if guard is not None and guard.received else 0.0
+                    row = np.array([loss_sum, n_real, float(nonfinite), stop_sig, correct, *prev_times])
                     rows = gather(row)
                     t5 = time.perf_counter()
                     timeline.add("comm-wait", t4, t5)
@@ -518,8 +519,7 @@ class Trainer:
                     if stop_now or debug_stop:
                         if stop_now:
                             status = "preempted"
-                            sig_val = guard.received if guard is not None and guard.received else None
-                            sig = int(sig_val) if sig_val is not None else None
+                            sig = int(rows[:, _G_STOP].max())
                             message = (f"stop signal received: checkpoint {last_ckpt} written at step {step}; "
                                        "rerun with --resume auto to continue")
                         else:
