@@ -41,7 +41,7 @@ from hpctrain.train.config import ConfigError, TrainConfig
 from hpctrain.train.metrics import (RANK_FIELDS, MetricsWriter, StragglerDetector, rebalance_weights, rss_mb,
                                     summarize_ranks)
 from hpctrain.train.plan import TrainPlan, eval_batch_size, lr_factor, make_plan, schedule_points
-from hpctrain.train.timeline import TRAIN_TID, Timeline, TracingBackend, chrome_trace, write_trace
+from hpctrain.train.timeline import Timeline, TracingBackend, chrome_trace, write_trace
 
 log = logging.getLogger("hpctrain.train")
 

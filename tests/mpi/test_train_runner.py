@@ -1,7 +1,6 @@
 """The training runner under a real mpiexec: bit-identical resume, timeline from every rank,
 NaN stop/skip, straggler warning and re-balancing, exact evaluation."""
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -205,3 +204,22 @@ def test_straggler_warning_and_rebalance(caplog):
         assert w[1] < w[0], w  # the slow rank gets the smaller share
         assert any("straggler: rank 1" in m for m in caplog.messages)
     comm.barrier()
+
+
+def test_resume_from_a_missing_or_bad_path_is_a_clear_error():
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint"):
+        Trainer(config("badresume"), resume=str(BASE / "nope.pt")).fit()
+    bad = BASE / "garbage.pt"
+    if R == 0:
+        bad.write_bytes(b"garbage")
+    comm.barrier()
+    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded"):
+        Trainer(config("badresume2"), resume=str(bad)).fit()
+
+
+def test_zz_cleanup():
+    comm.barrier()
+    if R == 0:
+        import shutil
+
+        shutil.rmtree(BASE, ignore_errors=True)
