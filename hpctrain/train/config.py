@@ -34,7 +34,7 @@ METRICS = ("accuracy", "loss")
 LOSSES = ("cross_entropy", "mse")
 ON_NAN = ("stop", "skip")
 BALANCE = ("off", "auto")
-DICT_KEYS = ("model.kwargs", "data.keys", "data.dtypes")
+DICT_KEYS = ("model.kwargs", "data.keys", "data.dtypes", "parallel")
 
 
 class ConfigError(ValueError):
@@ -233,6 +233,7 @@ class TrainConfig:
     preemption: bool = True
     deterministic: bool = True
     threads: int = 0
+    parallel: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, str):
@@ -257,6 +258,17 @@ class TrainConfig:
             _need(self.data.policy in ("contiguous", "weighted"),
                   f"balance: auto re-weights the contiguous partition; data.policy {self.data.policy!r} "
                   "cannot be re-weighted. HINT: use data.policy: contiguous")
+        if self.parallel:
+            from hpctrain.parallel.config import ParallelConfig
+
+            try:
+                pc = ParallelConfig.from_dict(self.parallel)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            _need(not pc.enabled,
+                  f"parallel.pipeline_stages: {pc.pipeline_stages}; `hpctrain train` runs data parallelism only "
+                  "for now (pipeline stages are not wired into the runner yet). HINT: remove the parallel: "
+                  "section, or drive hpctrain.parallel.PipelineModule from your own script (docs/parallel.md)")
         if self.loss == "mse":
             _need("accuracy" not in self.eval.metrics,
                   "eval.metrics: 'accuracy' needs loss: cross_entropy (classification)")
@@ -421,7 +433,7 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
         path, value = parse_override(text)
         dotted = ".".join(path)
         # model.kwargs.hidden=..., data.keys.x=...: entries of a free-form mapping.
-        in_mapping = len(path) >= 3 and ".".join(path[:2]) in DICT_KEYS
+        in_mapping = any(".".join(path[:i]) in DICT_KEYS for i in range(1, len(path)))
         if path[0] in sections and len(path) == 1:
             raise ConfigError(f"--set {text!r}: {dotted!r} is a section; set one of its keys, "
                               f"e.g. {sorted(k for k in allowed if k.startswith(dotted + '.'))[0]}=...")

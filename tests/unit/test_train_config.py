@@ -184,3 +184,11 @@ def test_schedule_points_and_eval_batch():
     assert schedule_points(3, 5, 4) == [3]
     assert eval_batch_size(256, 301, 2) == 150 and eval_batch_size(64, 301, 2) == 64
     assert eval_batch_size(64, 1, 4) == 1
+
+
+def test_parallel_section_is_validated():
+    assert cfg(parallel={"pipeline_stages": 1}).parallel == {"pipeline_stages": 1}
+    with pytest.raises(ConfigError, match="unknown key"):
+        cfg(parallel={"stages": 2})
+    with pytest.raises(ConfigError, match="data parallelism only"):
+        load_config(data=dict(BASE), overrides=["parallel.pipeline_stages=2"])
