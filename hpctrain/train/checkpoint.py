@@ -50,11 +50,13 @@ def checkpoint_name(step: int) -> str:
 
 # ---------------------------------------------------------------------------- RNG state
 def capture_rng() -> Dict[str, Any]:
-    """This process's RNG states (torch CPU, numpy global, python random) as tensors/plain types."""
+    """This process's RNG states (torch CPU and CUDA, numpy global, python random) as tensors/plain types."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
+    cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return {
         "torch": torch.get_rng_state(),
+        "cuda": cuda,
         "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
                   "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
@@ -65,6 +67,9 @@ def capture_rng() -> Dict[str, Any]:
 def restore_rng(state: Mapping[str, Any]) -> None:
     """Inverse of :func:`capture_rng`."""
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
                          float(n["cached_gaussian"])))

@@ -233,6 +233,7 @@ class TrainConfig:
     preemption: bool = True
     deterministic: bool = True
     threads: int = 0
+    device: str = "auto"
     parallel: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -244,6 +245,7 @@ class TrainConfig:
         _choice("loss", self.loss, LOSSES)
         _choice("balance", self.balance, BALANCE)
         _choice("on_nan", self.on_nan, ON_NAN)
+        _need(self.device in ("auto", "cpu", "cuda"), f"device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         _need(self.epochs >= 0 and self.steps >= 0, "epochs and steps must be >= 0")
         _need(self.epochs > 0 or self.steps > 0,
               "neither epochs nor steps is set; expected e.g. epochs: 10 or steps: 1000")

@@ -154,6 +154,19 @@ def resolve_batch_size(cfg: TrainConfig, max_batch: int) -> int:
     return int(res.per_device_batch)
 
 
+def resolve_device(requested: str) -> torch.device:
+    """``auto``: this rank's GPU (local rank modulo the visible GPUs) when CUDA is available,
+    else the CPU; ``cuda`` insists on a GPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device: cuda, but torch sees no CUDA device on this rank\n"
+                          "HINT: set device: auto (falls back to the CPU) or check CUDA_VISIBLE_DEVICES")
+    index = comm.local_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _auto_threads(cfg: TrainConfig) -> None:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -231,6 +244,9 @@ class Trainer:
             raise ConfigError(f"model.factory {cfg.model.factory!r} returned {type(model).__name__}, "
                               "expected a torch.nn.Module")
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        device = resolve_device(cfg.device)
+        self.device = device
+        model.to(device)
         # Per-rank streams from here on (dropout, augmentation differ per rank).
         torch.manual_seed(cfg.seed + 1_000_003 * (rank + 1))
         np.random.seed((cfg.seed + 7919 * (rank + 1)) % 2**32)
@@ -400,7 +416,8 @@ class Trainer:
                         timeline.add("data-wait", t0, t1)
                         if dbg.slow_rank == rank and dbg.slow_ms > 0:
                             time.sleep(dbg.slow_ms / 1000.0)
-                        x, y, mask = batch[xk], batch[yk], batch["mask"]
+                        x, y, mask = (batch[xk].to(device, non_blocking=True), batch[yk].to(device, non_blocking=True),
+                                      batch["mask"].to(device, non_blocking=True))
                         out = model(x)
                         per_sample = self._per_sample_loss(out, y)
                         m = mask.to(per_sample.dtype)
@@ -674,9 +691,10 @@ class Trainer:
         model.eval()
         sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, count
         with torch.no_grad():
+            dev = self.device
             for batch in test_ds:
-                out = model(batch[xk])
-                y, mask = batch[yk], batch["mask"]
+                out = model(batch[xk].to(dev, non_blocking=True))
+                y, mask = batch[yk].to(dev, non_blocking=True), batch["mask"].to(dev, non_blocking=True)
                 per = self._per_sample_loss(out, y)
                 sums[0] += float((per.double() * mask.double()).sum())
                 if self.cfg.loss == "cross_entropy":
