@@ -144,8 +144,10 @@ class SyncBatchNorm(_BatchNorm):
         """Replace every BatchNorm layer of ``module`` (recursively) by a SyncBatchNorm."""
         out = module
         if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+            ref = module.weight if module.affine else module.running_mean
+            kw = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
             out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats, process_set=process_set)
+                      module.track_running_stats, process_set=process_set, **kw)
             if module.affine:
                 with torch.no_grad():
                     out.weight.copy_(module.weight)
