@@ -84,7 +84,11 @@ def make_target(factory: Any, args: argparse.Namespace):
 
     from hpctrain.probe import TuneTarget
 
-    target = factory()
+    try:
+        target = factory()
+    except TypeError as exc:
+        raise SystemExit(f"hpctrain probe: calling {args.tune_batch}() failed: {exc}\n"
+                         "HINT: FACTORY must be callable with no arguments and return a TuneTarget") from exc
     if isinstance(target, dict):
         target = TuneTarget(**target)
     if not isinstance(target, TuneTarget):

@@ -312,14 +312,13 @@ class TrialRunner:
             del model, optimizer
 
     def _free(self) -> None:
-        gc.collect()
         if self.is_cuda:
             import torch
 
+            gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        else:
-            _malloc_trim()
+        # On CPU the meter collects garbage and trims the heap before the next trial.
 
     def warm_up(self) -> None:
         """One unmeasured run at batch 1: lazy initialization (thread pools, kernels, the
