@@ -489,7 +489,21 @@ def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: floa
                     results[i] = piece.clone()
         return results  # type: ignore[return-value]
 
-    return Handle(None, finish, name=name)
+    return Handle(_AllOf([h for _, h in parts]), finish, name=name)
+
+
+class _AllOf:
+    """Done when every part is done; ``wait`` waits for all (the results stay in the parts)."""
+
+    def __init__(self, handles: List[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,

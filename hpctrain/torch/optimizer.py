@@ -185,6 +185,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if buf.shape != (bucket.numel,) or buf.dtype != dtype or not buf.is_contiguous():
                 raise ValueError(f"bucket_allocator returned {tuple(buf.shape)} {buf.dtype}; expected a "
                                  f"contiguous 1-D tensor of {bucket.numel} {dtype}")
+            if bucket_allocator is not None:
+                buf.zero_()  # parameters without a gradient yet read zeros from their view
             self._buffers.append(buf)
             for slot in bucket.slots:
                 view = buf[slot.offset:slot.offset + slot.numel].view(slot.shape)

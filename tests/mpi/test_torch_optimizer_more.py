@@ -289,3 +289,29 @@ def test_bad_arguments_on_one_rank_fail_every_rank():
     expected = "duplicates" if R == 0 else "rank 0 rejected"
     with pytest.raises(ValueError, match=expected):
         hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named)
+
+
+def test_bucket_allocator_buffers_hold_the_gradients():
+    """A custom allocator (the hook for shared-memory buckets): its buffers are what is
+    communicated, and every .grad is a view into one of them."""
+    made = []
+
+    def allocate(numel, dtype, device):
+        buf = torch.full((numel,), float("nan"), dtype=dtype, device=device)  # garbage: must be zeroed
+        made.append(buf)
+        return buf
+
+    ref = reference("mlp", 2, sgd)
+    model = mlp()
+    opt = hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                   bucket_allocator=allocate, fusion_threshold=512)
+    assert len(made) == len(opt.plan.buckets) > 1
+    for s in range(2):
+        x, y = data("mlp", s, N * B)
+        opt.zero_grad(set_to_none=(s == 0))
+        torch.nn.functional.cross_entropy(model(x[R * B:(R + 1) * B]), y[R * B:(R + 1) * B]).backward()
+        opt.step()
+        ptrs = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in made]
+        for p in model.parameters():
+            assert any(lo <= p.grad.data_ptr() < hi for lo, hi in ptrs)
+    assert max_rel(model, ref) <= 1e-10
