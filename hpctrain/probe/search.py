@@ -205,7 +205,7 @@ class BatchSearch:
         else:
             if len(spread) < 2:
                 return None
-            (b0, m0), (b1, m1) = spread[-2], spread[-1]
+            (_, m0), (_, m1) = spread[-2], spread[-1]
             if m1 - m0 <= max(self.config.noise_floor, self.config.trust_fraction * (self.limit - m1)):
                 return None  # too little signal beside measurement noise
             points = spread

@@ -5,12 +5,10 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hpctrain import comm
 from hpctrain.probe import build_cluster_view, collect_facts, gather_facts, plan_binding, tune_batch_size
-from hpctrain.probe.search import SimulatedMemory  # noqa: F401 - keeps the import surface honest
 from hpctrain.probe.tuner import PinnedMallocThreshold, TrialRunner
 
 RANKS = (1, 2)
@@ -97,8 +95,6 @@ def test_cpu_tuner_within_10_percent_of_exhaustive_and_ranks_agree():
 
 def test_tuner_error_on_one_rank_reaches_all():
     """A model that breaks on one rank must fail every rank, not hang the others."""
-    import torch
-
     target = factory()
 
     def model_factory():
