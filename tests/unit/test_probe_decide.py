@@ -189,3 +189,31 @@ def test_budget_without_gpu_memory_needs_max_memory():
     with pytest.raises(ValueError, match="--max-memory"):
         rank_budget(g, plan)
     assert rank_budget(g, plan, 10 * GiB).bytes == 10 * GiB
+
+
+def test_cluster_view_two_nodes_and_mismatched_mpi():
+    node1 = load("h100x8.json")
+    node2 = [dataclasses.replace(f, hostname="gpu002", rank=f.rank + 8, size=16, pid=f.pid + 8) for f in node1]
+    node1 = [dataclasses.replace(f, size=16) for f in node1]
+    odd = dataclasses.replace(node2[-1], mpi=dataclasses.replace(node2[-1].mpi, library_version="MPICH Version: 4.1"))
+    view = build_cluster_view(node1 + node2[:-1] + [odd])
+    assert [n.hostname for n in view.nodes] == ["gpu001", "gpu002"]
+    assert [r.rank for r in view.nodes[1].ranks] == list(range(8, 16))
+    assert view.gpu_count == 16
+    assert any("different MPI libraries" in w and "15" in w for w in view.warnings)
+    with pytest.raises(ValueError, match="duplicate ranks"):
+        build_cluster_view(node1 + node1)
+
+
+def test_bind_applies_threads():
+    import torch
+
+    from hpctrain.probe import bind
+
+    (f,) = load("cpu_box.json")
+    before = torch.get_num_threads()
+    try:
+        plan = bind(f, threads=1, env={})
+        assert plan.device == "cpu" and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
