@@ -323,25 +323,31 @@ class TrialRunner:
     def warm_up(self) -> None:
         """One unmeasured run at batch 1: lazy initialization (thread pools, kernels, the
         CUDA context) would otherwise inflate the first measurement."""
+        # Not under the RLIMIT_DATA guard: lazy initialisation (imports, thread pools) can
+        # need more than a small budget once, and must complete here, not in trial 1.
         try:
-            self._run(1)
+            self._step_loop(1)
+        except Exception as exc:  # noqa: BLE001 - batch 1 not fitting is the search's to report
+            if not is_out_of_memory(exc):
+                raise
         finally:
             self._free()
 
-    def _run(self, batch: int) -> Tuple[Optional[int], Optional[BaseException]]:
+    def _run(self, batch: int) -> Tuple[Optional[int], Optional[str]]:
         import torch
 
         if self.is_cuda:
             self._free()
             before = torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            err = None
             try:
                 self._step_loop(batch)
-                err = None
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not is_out_of_memory(exc):
                     raise
-                err = exc
+                # Keep only the text: the traceback's frames would keep the trial's tensors alive.
+                err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
             peak = torch.cuda.max_memory_reserved(self.device) - before
             return max(0, peak), err
         meter = self.cpu_meter
@@ -354,7 +360,7 @@ class TrialRunner:
         except Exception as exc:  # noqa: BLE001 - classified below
             if not is_out_of_memory(exc):
                 raise
-            err = exc
+            err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
         peak = meter.stop()
         return peak, err
 
@@ -366,8 +372,7 @@ class TrialRunner:
             self._free()
         took = time.perf_counter() - started
         if err is not None:
-            detail = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-            trial = Trial(batch, OOM, None, detail)
+            trial = Trial(batch, OOM, None, err)
         else:
             trial = classify(batch, peak, self.limit, oom=False, detail=f"{took:.2f} s")
         log.debug("trial batch=%d: %s peak=%s", batch, trial.outcome, format_bytes(trial.peak))
