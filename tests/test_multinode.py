@@ -129,6 +129,19 @@ def test_bench_allreduce_reports_two_nodes(multinode_cluster, tmp_path):
     assert chosen[262144] == "hierarchical", chosen  # auto across nodes, above the small-message cut
 
 
+def test_probe_cluster_view_lists_both_nodes(multinode_cluster):
+    """`hpctrain probe --json` at 2 × 2: the cluster view has node1 and node2, two ranks each."""
+    argv = [str(Path(python_argv()[0]).parent / "hpctrain"), "probe", "--json"]
+    proc = run_mpi_on_cluster("node1:2,node2:2", argv, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    start = proc.stdout.index("{")
+    view = json.JSONDecoder().raw_decode(proc.stdout[start:])[0]
+    assert len(view["ranks"]) == 4, view["ranks"]
+    nodes = {n["hostname"]: sorted(r["rank"] for r in n["ranks"]) for n in view["cluster"]["nodes"]}
+    assert nodes == {"node1": [0, 1], "node2": [2, 3]}, nodes
+    assert view["cluster"]["world_size"] == 4
+
+
 # --------------------------------------------------------------------------- multi-node SLURM
 SLURM_CASES = {
     # name: (template options, (nodes, tasks per node))
