@@ -10,7 +10,8 @@ and the split of an hpctrain step:
 
 - compute: forward + backward + optimizer update (the hooks start communication inside backward);
 - wait: time ``step()`` blocked on communication that backward did not hide;
-  (``hpctrain-sync`` starts every bucket in ``step()``: no overlap, so wait ≈ comm)
+  (``hpctrain`` uses the default overlap choice; ``hpctrain-overlap`` forces overlap during
+  backward, ``hpctrain-sync`` starts every bucket in ``step()``, so its wait ≈ comm)
 - comm: the same buckets all-reduced alone (no compute running), median — what communication
   would cost if nothing overlapped it.
 
@@ -35,7 +36,7 @@ import torch
 
 from hpctrain import comm
 
-COMPETITORS = ("plain", "hpctrain", "hpctrain-sync", "ddp-gloo", "horovod")
+COMPETITORS = ("plain", "hpctrain", "hpctrain-overlap", "hpctrain-sync", "ddp-gloo", "horovod")
 MODELS = ("mlp", "cnn")
 
 
@@ -43,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``hpctrain bench train``."""
     p.add_argument("--models", default="mlp,cnn", help="comma list of: mlp (10.5M params), cnn (small)")
     p.add_argument("--competitors", default=",".join(COMPETITORS),
-                   help="comma list of: plain, hpctrain, hpctrain-sync (no overlap: all buckets start in "
-                        "step()), ddp-gloo, horovod (skipped when not importable)")
+                   help="comma list of: plain, hpctrain (default settings), hpctrain-overlap (forced overlap), "
+                        "hpctrain-sync (no overlap: all buckets start in step()), ddp-gloo, horovod (skipped when "
+                        "not importable)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per competitor (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -135,7 +137,7 @@ def bench_plain(kind: str, args: argparse.Namespace) -> Dict[str, float]:
     return run_loop(model, opt, x, y, args.steps, args.warmup, split=False)
 
 
-def bench_hpctrain(kind: str, args: argparse.Namespace, overlap: bool = True) -> Dict[str, float]:
+def bench_hpctrain(kind: str, args: argparse.Namespace, overlap: Optional[bool] = None) -> Dict[str, float]:
     import hpctrain.torch as hvd
 
     model = build_model(kind)
@@ -152,6 +154,7 @@ def bench_hpctrain(kind: str, args: argparse.Namespace, overlap: bool = True) ->
     out = run_loop(model, opt, x, y, args.steps, args.warmup, split=True)
     out["comm_s"] = comm_alone(opt)
     out["buckets"] = len(opt.plan.buckets)
+    out["overlap"] = opt._overlap
     opt.remove_hooks()
     return out
 
@@ -192,12 +195,12 @@ def bench_horovod(kind: str, args: argparse.Namespace, hvd: Any) -> Dict[str, fl
 def print_table(records: List[Dict[str, Any]], size: int, out: Any = sys.stdout) -> None:
     """The table, one row per (model, competitor), and the ratios the targets are stated in."""
     print(f"\nhpctrain bench train: {size} rank(s), median step of the slowest rank", file=out)
-    print(f"{'model':6} {'competitor':13} {'step ms':>9} {'samples/s':>10} {'compute ms':>11} {'wait ms':>8} "
+    print(f"{'model':6} {'competitor':16} {'step ms':>9} {'samples/s':>10} {'compute ms':>11} {'wait ms':>8} "
           f"{'comm ms':>8}", file=out)
     for r in records:
         def ms(key: str) -> str:
             return f"{r[key] * 1e3:.1f}" if key in r else "-"
-        print(f"{r['model']:6} {r['competitor']:13} {ms('step_s'):>9} {r['samples_per_s']:>10.0f} "
+        print(f"{r['model']:6} {r['competitor']:16} {ms('step_s'):>9} {r['samples_per_s']:>10.0f} "
               f"{ms('compute_s'):>11} {ms('wait_s'):>8} {ms('comm_s'):>8}", file=out)
     by = {(r["model"], r["competitor"]): r["step_s"] for r in records}
     for model in dict.fromkeys(r["model"] for r in records):
@@ -205,7 +208,8 @@ def print_table(records: List[Dict[str, Any]], size: int, out: Any = sys.stdout)
         if mine is None:
             continue
         for other, label in (("ddp-gloo", "hpctrain/DDP-Gloo"), ("horovod", "hpctrain/Horovod"),
-                             ("plain", "hpctrain/plain"), ("hpctrain-sync", "hpctrain/hpctrain-sync")):
+                             ("plain", "hpctrain/plain"), ("hpctrain-overlap", "hpctrain/hpctrain-overlap"),
+                             ("hpctrain-sync", "hpctrain/hpctrain-sync")):
             if (model, other) in by:
                 print(f"  {model}: {label} step ratio {mine / by[(model, other)]:.3f}", file=out)
 
@@ -230,15 +234,16 @@ def run(args: argparse.Namespace) -> int:
                       samples_per_s=size * args.batch / result["step_s"])
         records.append(result)
         if rank == 0:
-            print(f"  {model:4} {competitor:13} step {result['step_s'] * 1e3:8.1f} ms", flush=True)
+            print(f"  {model:4} {competitor:16} step {result['step_s'] * 1e3:8.1f} ms", flush=True)
 
     phases: List[tuple] = []
     for model in models:
-        for competitor in ("plain", "hpctrain", "hpctrain-sync", "ddp-gloo"):
+        for competitor in ("plain", "hpctrain", "hpctrain-overlap", "hpctrain-sync", "ddp-gloo"):
             if competitor in wanted:
                 phases.append((model, competitor))
     runners: Dict[str, Callable[[str, argparse.Namespace], Optional[Dict[str, float]]]] = {
         "plain": bench_plain, "hpctrain": bench_hpctrain, "ddp-gloo": bench_ddp,
+        "hpctrain-overlap": lambda kind, a: bench_hpctrain(kind, a, overlap=True),
         "hpctrain-sync": lambda kind, a: bench_hpctrain(kind, a, overlap=False)}
     for model, competitor in phases:
         record(model, competitor, runners[competitor](model, args))

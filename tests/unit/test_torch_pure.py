@@ -140,3 +140,13 @@ def test_api_surface_has_horovod_names():
         obj = getattr(hvd, name)
         if callable(obj) and not isinstance(obj, int):
             assert obj.__doc__, f"{name} has no docstring"
+
+
+def test_choose_overlap():
+    from hpctrain.torch.optimizer import choose_overlap
+
+    assert not choose_overlap(2, 2, 2, 1)      # 2 ranks on 2 unbound cores: no core to spare
+    assert choose_overlap(64, 64, 8, 4)        # 32 of 64 cores busy computing
+    assert not choose_overlap(1, 64, 8, 1)     # bound to one core
+    assert choose_overlap(4, 64, 8, 2)         # bound to 4 cores, 2 compute threads
+    assert not choose_overlap(16, 16, 4, 4)
