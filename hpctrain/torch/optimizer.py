@@ -55,11 +55,12 @@ _PS_TAG = 7301  # point-to-point tag of parameter-server gradient messages
 
 def choose_overlap(usable_cores: int, node_cores: int, local_ranks: int, threads: int) -> bool:
     """Whether to all-reduce during backward: only when a core is free for the communication
-    thread. Measured with 2 ranks on 2 cores (MLP 10.5M params): overlap made backward ~55 ms
-    slower and the step ~10% slower than starting every bucket in step(), because the
-    thread competes with compute for the same cores (PERF-FACTS: each transfer is a copy done
-    by a CPU). A rank bound to a subset of cores needs more cores than its threads; an unbound
-    rank shares the node with the other local ranks."""
+    thread. With 2 ranks on 2 cores (MLP 10.5M params, `hpctrain bench train`, shared
+    machine) overlap was never faster than starting every bucket in step(): +10% and +1.5%
+    step time in two runs, backward itself slowed by the thread competing for the same cores
+    (PERF-FACTS: each transfer is a copy done by a CPU). A rank bound to a subset of cores
+    needs more cores than its threads; an unbound rank shares the node with the other local
+    ranks."""
     if usable_cores < node_cores:  # bound (taskset, --bind-to core, srun --cpu-bind)
         return usable_cores > threads
     return node_cores > local_ranks * threads
