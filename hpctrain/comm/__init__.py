@@ -20,7 +20,9 @@ def __getattr__(name):
         raise AttributeError(name)
     collectives = importlib.import_module("hpctrain.comm.collectives")
     if hasattr(collectives, name):
-        return getattr(collectives, name)
+        value = getattr(collectives, name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module 'hpctrain.comm' has no attribute {name!r}")
 
 

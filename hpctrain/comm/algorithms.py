@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import plan
 from .buffers import finish_average, reduce_into
+from .watchdog import suffixed
 
 # Ring segments: ≥ 1 MiB, since each message costs ~15 µs of Python (PERF-FACTS.md).
 RING_SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(1 << 20)))
@@ -67,7 +68,7 @@ def _native_upcast_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
 
 
 # --------------------------------------------------------------------------- ring
-def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what: str,
+def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what,
           describe=lambda r: f"rank {r}", average_over: Optional[int] = None) -> None:
     """Ring all-reduce of ``arr`` in place on ``comm`` (a communicator only ring traffic uses).
 
@@ -81,7 +82,7 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what: str,
         seg = max(1, RING_SEGMENT_BYTES // arr.itemsize)
         scratch = np.empty(max(b - a for a, b in bounds), dtype=arr.dtype)
         red = "sum" if op == "avg" else op
-        with dog.watch(what + " (ring reduce-scatter)", lambda: f"{describe(left)} (left neighbour)"):
+        with dog.watch(suffixed(what, " (ring reduce-scatter)"), lambda: f"{describe(left)} (left neighbour)"):
             for step in range(size - 1):
                 send_c, recv_c = plan.reduce_scatter_step(rank, size, step)
                 _ring_exchange(comm, arr, bounds[send_c], bounds[recv_c], right, left, seg,
@@ -89,7 +90,7 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what: str,
         own = bounds[plan.owned_chunk(rank, size)]
         if op == "avg":
             finish_average(arr[own[0]:own[1]], average_over or size, dtype_name)
-        with dog.watch(what + " (ring all-gather)", lambda: f"{describe(left)} (left neighbour)"):
+        with dog.watch(suffixed(what, " (ring all-gather)"), lambda: f"{describe(left)} (left neighbour)"):
             for step in range(size - 1):
                 send_c, recv_c = plan.allgather_step(rank, size, step)
                 _ring_exchange(comm, arr, bounds[send_c], bounds[recv_c], right, left, seg)
@@ -165,7 +166,7 @@ class ShmArena:
             self.capacity = 0
 
 
-def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog, what: str,
+def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog, what,
          cross: bool = False) -> None:
     """All-reduce through the node's shared window; with ``cross``, the hierarchical variant
     (each node-local slice is ring-all-reduced across nodes before everyone reads it).
@@ -185,19 +186,19 @@ def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog,
     node_ranks = lambda: "a rank on this node"  # noqa: E731
     red = "sum" if op == "avg" else op
     np.copyto(mine, src)
-    with dog.watch(what + " (shared-memory copy-in)", node_ranks):
+    with dog.watch(suffixed(what, " (shared-memory copy-in)"), node_ranks):
         node.Barrier()
     for q in range(local_size):
         if q != local_rank:
             reduce_into(mine[a:b], slots[q][a:b], red, dtype_name)
     if cross and group.cross_size > 1:
         cross_comm = group.cross_ring_comm
-        ring_(cross_comm, mine[a:b], op, dtype_name, dog, what + " (inter-node ring)",
+        ring_(cross_comm, mine[a:b], op, dtype_name, dog, suffixed(what, " (inter-node ring)"),
               describe=lambda r: f"the rank with local rank {local_rank} on node {r}",
               average_over=group.size)
     elif op == "avg":
         finish_average(mine[a:b], group.size, dtype_name)
-    with dog.watch(what + " (shared-memory reduce)", node_ranks):
+    with dog.watch(suffixed(what, " (shared-memory reduce)"), node_ranks):
         node.Barrier()
     for q in range(local_size):
         qa, qb = bounds[q]
@@ -267,18 +268,18 @@ def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, 
     mine = views[local_rank][a:b]
     red = "sum" if op == "avg" else op
     node_ranks = lambda: "a rank on this node"  # noqa: E731
-    with dog.watch(what + " (zero-copy: waiting for peers' data)", node_ranks):
+    with dog.watch(suffixed(what, " (zero-copy: waiting for peers' data)"), node_ranks):
         node.Barrier()
     for q in range(local_size):
         if q != local_rank:
             reduce_into(mine, views[q][a:b], red, dtype_name)
     if cross and group.cross_size > 1:
-        ring_(group.cross_ring_comm, mine, op, dtype_name, dog, what + " (inter-node ring)",
+        ring_(group.cross_ring_comm, mine, op, dtype_name, dog, suffixed(what, " (inter-node ring)"),
               describe=lambda r: f"the rank with local rank {local_rank} on node {r}", average_over=group.size)
     elif op == "avg":
         finish_average(mine, group.size, dtype_name)
     for q in range(local_size):
         if q != local_rank and b > a:
             np.copyto(views[q][a:b], mine)
-    with dog.watch(what + " (zero-copy: waiting for peers' results)", node_ranks):
+    with dog.watch(suffixed(what, " (zero-copy: waiting for peers' results)"), node_ranks):
         node.Barrier()

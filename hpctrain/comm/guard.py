@@ -41,6 +41,14 @@ def checks_enabled() -> bool:
     return _enabled["on"]
 
 
+def agree_or_count(group, header_fn, dog) -> None:
+    """``agree`` when checks are on (``header_fn()`` builds the header only then)."""
+    if _enabled["on"]:
+        agree(group, header_fn(), dog)
+    else:
+        group.seq += 1
+
+
 def shape_code(shape: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(shape)).encode())
 
@@ -87,7 +95,7 @@ def agree(group, header: np.ndarray, dog) -> None:
         return
     header[0] = group.seq
     comm = group.ctl_comm
-    what = describe_header(header) + f" on {group.name}"
+    what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report
     if group.rank == 0:
         headers = np.empty((group.size, HEADER_LEN), dtype=np.int64)
         headers[0] = header
@@ -99,7 +107,7 @@ def agree(group, header: np.ndarray, dog) -> None:
         def missing() -> str:
             return group.describe_ranks(sorted(pending))
 
-        with dog.watch(what + " (agreement check)", missing):
+        with dog.watch(lambda: what() + " (agreement check)", missing):
             while pending:
                 done = MPI.Request.Waitsome(requests)
                 for i in done or ():
@@ -117,7 +125,7 @@ def agree(group, header: np.ndarray, dog) -> None:
         comm.Send(header, dest=0, tag=_TAG_HEADER)
         verdict = np.empty(1, dtype=np.int64)
         coordinator = group.describe_ranks([0])
-        with dog.watch(what + " (waiting for rank 0's agreement check)",
+        with dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
                        lambda: f"{coordinator}, which coordinates the check (see its report)", grace=2.0):
             comm.Recv(verdict, source=0, tag=_TAG_VERDICT)
             if verdict[0] != 0:

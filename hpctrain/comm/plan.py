@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Sequence, Tuple
 
 Bounds = Tuple[int, int]
@@ -91,7 +92,7 @@ class Topology:
     def size(self) -> int:
         return len(self.node_of)
 
-    @property
+    @cached_property
     def num_nodes(self) -> int:
         return max(self.node_of) + 1
 
@@ -111,13 +112,13 @@ class Topology:
     def cross_size(self) -> int:
         return self.num_nodes
 
-    @property
+    @cached_property
     def homogeneous(self) -> bool:
         """Every node has the same number of ranks (needed by the hierarchical path)."""
         counts = [len(self.ranks_on(n)) for n in range(self.num_nodes)]
         return len(set(counts)) == 1
 
-    @property
+    @cached_property
     def single_node(self) -> bool:
         return self.num_nodes == 1
 

@@ -10,9 +10,17 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional, Union
+
+Text = Union[str, Callable[[], str]]  # messages are built only when a stall is reported
+
+
+def text(what: Text) -> str:
+    return what() if callable(what) else what
+
+
+def suffixed(what: Text, suffix: str) -> Callable[[], str]:
+    return lambda: text(what) + suffix
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -27,12 +35,31 @@ def stall_timeout() -> float:
     return max(value, 0.0)
 
 
-@dataclass
 class Wait:
-    what: str  # e.g. "allreduce(sum, float32, 1000 elements, ring) on world"
-    waiting_for: Callable[[], str]  # describes the ranks not arrived yet
-    since: float = field(default_factory=time.monotonic)
-    grace: float = 0.0  # extra seconds (ranks that wait on a coordinator give it time to report)
+    """One blocking wait of one thread; also the context manager that registers it (a plain
+    class, not @contextmanager: it runs around every collective and must cost ~nothing)."""
+
+    __slots__ = ("what", "waiting_for", "since", "grace", "_dog", "_key", "_previous")
+
+    def __init__(self, dog: "Watchdog", what: Text, waiting_for: Callable[[], str], grace: float) -> None:
+        self.what = what  # e.g. "allreduce(sum, float32, 1000 elements, ring) on world"
+        self.waiting_for = waiting_for  # describes the ranks not arrived yet
+        self.grace = grace  # extra seconds (ranks that wait on a coordinator give it time to report)
+        self._dog = dog
+
+    def __enter__(self) -> "Wait":
+        self.since = time.monotonic()
+        self._key = threading.get_ident()
+        waits = self._dog._waits
+        self._previous = waits.get(self._key)
+        waits[self._key] = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is None:
+            self._dog._waits.pop(self._key, None)
+        else:
+            self._dog._waits[self._key] = self._previous
 
 
 class Watchdog:
@@ -54,19 +81,9 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    @contextmanager
-    def watch(self, what: str, waiting_for: Callable[[], str], grace: float = 0.0) -> Iterator[Wait]:
-        key = threading.get_ident()
-        wait = Wait(what, waiting_for, grace=grace)
-        previous = self._waits.get(key)
-        self._waits[key] = wait
-        try:
-            yield wait
-        finally:
-            if previous is None:
-                self._waits.pop(key, None)
-            else:
-                self._waits[key] = previous
+    def watch(self, what: Text, waiting_for: Callable[[], str], grace: float = 0.0) -> Wait:
+        """``with dog.watch(what, waiting_for): <blocking MPI call>``."""
+        return Wait(self, what, waiting_for, grace)
 
     def _run(self) -> None:
         interval = min(1.0, max(self.timeout / 10, 0.05))
@@ -83,7 +100,7 @@ class Watchdog:
         except Exception as exc:  # never let the report itself hide the stall
             missing = f"(could not tell: {exc})"
         message = (
-            f"hpctrain: STALL on rank {self.rank}: {wait.what} has waited {waited:.1f} s "
+            f"hpctrain: STALL on rank {self.rank}: {text(wait.what)} has waited {waited:.1f} s "
             f"(HPCTRAIN_STALL_TIMEOUT={self.timeout:g}). Not arrived: {missing}.\n"
             "HINT: every rank must call the same collectives in the same order; a rank that "
             "crashed, skipped a step or has fewer batches stalls the others. Aborting the job."
