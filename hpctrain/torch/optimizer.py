@@ -88,6 +88,24 @@ def _default_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
+def shared_window_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Bucket buffers in the node's MPI shared window (``comm.shared_buffer``): gradients are
+    all-reduced where backward wrote them, with no copy in or out (PERF-FACTS: 2–3× MPI's own
+    all-reduce at 1–16 MiB). Collective: every rank allocates the same buckets in plan order."""
+    buf = comm.shared_buffer(numel, str(dtype).replace("torch.", "")).tensor()
+    buf.zero_()
+    return buf
+
+
+def use_shared_buckets(backend_name: str, strategy: "Strategy", device: torch.device) -> bool:
+    """Shared-window buckets by default where they apply: the MPI backend on CPU tensors, several
+    ranks all on one node, the all-reduce strategy. HPCTRAIN_SHARED_BUCKETS=0 turns them off."""
+    if os.environ.get("HPCTRAIN_SHARED_BUCKETS", "1") == "0":
+        return False
+    return (backend_name == "mpi" and device.type == "cpu" and isinstance(strategy, AllReduce)
+            and comm.size() > 1 and comm.cross_size() == 1)
+
+
 class _BucketState:
     __slots__ = ("pending", "launched", "work", "wire", "ctx")
 
@@ -196,6 +214,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "DistributedOptimizer expects one device per rank.\n"
                              "HINT: move the model with model.to(device) before creating the optimizer")
         self._device = devices.pop() if devices else torch.device("cpu")
+        if bucket_allocator is None and use_shared_buckets(backend_name, self._strategy, self._device):
+            bucket_allocator = shared_window_allocator
         allocate = bucket_allocator or _default_allocator
         self._buffers: List[torch.Tensor] = []
         self._views: List[Optional[torch.Tensor]] = [None] * len(self._params)
