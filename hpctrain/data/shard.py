@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import h5py
+
+from hpctrain.comm.plan import chunk_bounds
 import numpy as np
 
 from hpctrain.data.errors import ChecksumError, ConfigError, DataError, LengthMismatchError, TooFewSamplesError
@@ -29,13 +31,7 @@ SHARD_ATTRS = ("shard_index", "num_shards", "shard_start", "shard_stop", "parent
 
 def shard_ranges(n: int, num_shards: int) -> List[Tuple[int, int]]:
     """Balanced [start, stop) ranges: the first ``n % num_shards`` get one sample more."""
-    q, r = divmod(n, num_shards)
-    out, start = [], 0
-    for i in range(num_shards):
-        stop = start + q + (1 if i < r else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return chunk_bounds(n, num_shards)
 
 
 def sample_keys(f: h5py.File, path: str, keys: Optional[Sequence[str]] = None) -> List[str]:

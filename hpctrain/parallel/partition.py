@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from hpctrain.comm.plan import chunk_bounds
+
 BALANCE_MODES = ("params", "time")
 
 
@@ -213,10 +215,4 @@ def split_rows(rows: int, parts: int) -> List[Tuple[int, int]]:
     if rows < parts:
         raise ValueError(f"a batch of {rows} row(s) cannot be split into {parts} micro-batches.\n"
                          f"HINT: use a batch of at least {parts} rows, or fewer micro_batches")
-    q, r = divmod(rows, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + q + (1 if i < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    return chunk_bounds(rows, parts)
