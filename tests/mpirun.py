@@ -69,3 +69,15 @@ def run_mpi(
 
 def python_argv(*args: str) -> List[str]:
     return [sys.executable, *args]
+
+
+def report_past_capture(request, text: str) -> None:
+    """Print past pytest's output capture (a skip reason is otherwise shown only with -rs)."""
+    if request is None:
+        return
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(text)

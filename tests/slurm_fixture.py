@@ -10,6 +10,8 @@ from typing import Optional
 
 import pytest
 
+from mpirun import report_past_capture
+
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_CLUSTER = ROOT / "slurm" / "local-cluster.sh"
 
@@ -31,14 +33,7 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def _report(request: pytest.FixtureRequest, text: str) -> None:
-    """Print past pytest's output capture (a skip reason is otherwise shown only with -rs)."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(text)
+_report = report_past_capture
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
+from mpirun import report_past_capture
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CLUSTER_SH = HERE / "cluster.sh"
@@ -45,16 +47,7 @@ REQUIRE_VAR = "HPCTRAIN_REQUIRE_MULTINODE"
 _HOSTS_ITEM = re.compile(r"^(node[1-9][0-9]?)(?::([1-9][0-9]*))?$")
 
 
-def _report(request: Optional[pytest.FixtureRequest], text: str) -> None:
-    """Print past pytest's output capture (a skip reason is otherwise shown only with -rs)."""
-    if request is None:
-        return
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(text)
+_report = report_past_capture
 
 
 def require_multinode() -> bool:
