@@ -59,26 +59,32 @@ class Backend:
 
 
 class MPIBackend(Backend):
-    """hpctrain.comm: ring / shared-memory / native MPI all-reduce chosen by size."""
+    """hpctrain.comm: ring / shared-memory / native MPI all-reduce chosen by size.
+
+    ``group``: an ``hpctrain.comm.Group`` to reduce over instead of the world (a process set);
+    ``root`` of ``broadcast_`` is then a rank of that group."""
 
     name = "mpi"
 
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
     def allreduce_async(self, buf: torch.Tensor, op: str, name: str = "") -> Any:
         host, restore = staging.to_host(buf)
-        handle = comm.allreduce_async(host, op=op, inplace=True)
+        handle = comm.allreduce_async(host, op=op, inplace=True, group=self.group)
         if host is buf:
             return handle
         return _Staged(handle, host, buf, restore)
 
     def broadcast_(self, buf: torch.Tensor, root: int) -> torch.Tensor:
         host, restore = staging.to_host(buf)
-        comm.broadcast_(host, root=root)
+        comm.broadcast_(host, root=root, group=self.group)
         if host is not buf:
             buf.copy_(restore(host))
         return buf
 
     def barrier(self) -> None:
-        comm.barrier()
+        comm.barrier(group=self.group)
 
 
 class _Staged:

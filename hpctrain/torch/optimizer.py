@@ -36,9 +36,9 @@ import torch
 from hpctrain import comm
 
 from . import buckets as bk
-from .backends import Backend, get_backend
+from .backends import Backend, MPIBackend, get_backend
 from .compression import Compression
-from .ops import HpctrainNotInitialized, ReduceOp, _require_init, _resolve_op
+from .ops import HpctrainNotInitialized, ProcessSet, ReduceOp, _require_init, _resolve_op, global_process_set
 from .strategies import AllReduce, ModelAverage, ParameterServer, Strategy, parse_sync
 
 log = logging.getLogger("hpctrain.torch")
@@ -106,6 +106,18 @@ def use_shared_buckets(backend_name: str, strategy: "Strategy", device: torch.de
             and comm.size() > 1 and comm.cross_size() == 1)
 
 
+def _process_set_group(process_set: Any) -> Optional["comm.Group"]:
+    """The communicator of ``process_set`` (None: the world)."""
+    if process_set is None:
+        return None
+    if isinstance(process_set, ProcessSet):
+        return process_set._resolve()  # None for the global set; clear error if unregistered / not a member
+    if isinstance(process_set, comm.Group):
+        return process_set
+    raise TypeError(f"process_set must be an hvd.ProcessSet or an hpctrain.comm.Group, got "
+                    f"{type(process_set).__name__}")
+
+
 class _BucketState:
     __slots__ = ("pending", "launched", "work", "wire", "ctx")
 
@@ -132,6 +144,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     - ``groups``: an int (split the parameters into that many fused groups) or lists of
       parameters, each reduced as one unit; default: fuse by ``HPCTRAIN_FUSION_THRESHOLD`` bytes.
     - ``sparse_as_dense``: accepted; sparse gradients always accumulate densely into the bucket.
+    - ``process_set``: average over these ranks only (default: all). A registered
+      ``hvd.ProcessSet`` (``hvd.add_process_set``) or an ``hpctrain.comm.Group`` (``comm.split``,
+      ``comm.new_group``); only its members create the optimizer, and they must agree on it.
+      ``sync="parameter_server:R"``: R is a rank of the set. Needs ``backend="mpi"``.
 
     hpctrain additions (keywords):
 
@@ -164,6 +180,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold: Optional[int] = None,
         bucket_allocator: Optional[Allocator] = None,
         overlap: Optional[bool] = None,
+        process_set: Union[ProcessSet, "comm.Group", None] = global_process_set,
     ) -> None:
         # Deliberately not calling Optimizer.__init__: we wrap the user's optimizer (sharing its
         # param_groups and state) instead of building a second one.
@@ -173,7 +190,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
         self._inner = optimizer
-        self._rank, self._size = comm.rank(), comm.size()
+        # The ranks that average together. Resolved before any communication: a set that is not
+        # registered fails on every rank alike, and a non-member has no one to agree with.
+        self._group = _process_set_group(process_set)
+        self._rank, self._size = ((comm.rank(), comm.size()) if self._group is None
+                                  else (self._group.rank, self._group.size))
         # Validate locally, then agree: a rank that rejects its arguments must not leave the
         # others waiting in the next collective, so every rank learns every rank's verdict.
         local_error: Optional[BaseException] = None
@@ -190,6 +211,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor}: expected a positive number")
             if int(backward_passes_per_step) < 1:
                 raise ValueError(f"backward_passes_per_step={backward_passes_per_step}: expected an integer >= 1")
+            if self._group is not None and backend_name != "mpi":
+                raise ValueError(f"process_set with backend={backend_name!r} is not supported; only the 'mpi' backend "
+                                 "reduces over a subset of ranks.\nHINT: use backend='mpi' (the default)")
             self._strategy: Strategy = parse_sync(sync)
             if isinstance(self._strategy, ParameterServer) and not 0 <= self._strategy.server_rank < self._size:
                 raise ValueError(f"parameter_server server_rank={self._strategy.server_rank} but there are only "
@@ -205,7 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
         self._verify_across_ranks(local_error, specs, threshold, group_indices, backend_name, sync)
-        self._backend: Backend = get_backend(backend_name)
+        self._backend: Backend = get_backend(backend_name) if self._group is None else MPIBackend(self._group)
         self.plan = bk.plan_buckets(specs, threshold, group_indices)
 
         devices = {p.device for p in self._params}
@@ -214,7 +238,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "DistributedOptimizer expects one device per rank.\n"
                              "HINT: move the model with model.to(device) before creating the optimizer")
         self._device = devices.pop() if devices else torch.device("cpu")
-        if bucket_allocator is None and use_shared_buckets(backend_name, self._strategy, self._device):
+        if (bucket_allocator is None and self._group is None
+                and use_shared_buckets(backend_name, self._strategy, self._device)):
             bucket_allocator = shared_window_allocator
         allocate = bucket_allocator or _default_allocator
         self._buffers: List[torch.Tensor] = []
@@ -399,9 +424,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         options = None
         if local_error is None:
             options = repr((self._strategy, self._op.name, getattr(self._compression, "__name__", str(self._compression)),
-                            self.backward_passes_per_step, self._predivide, threshold, groups, backend))
+                            self.backward_passes_per_step, self._predivide, threshold, groups, backend,
+                            None if self._group is None else self._group.ranks))
         mine = (error, bk.specs_digest(specs), options)
-        everyone = comm.allgather_object(mine)
+        everyone = comm.allgather_object(mine, group=self._group)
         if local_error is not None:
             raise local_error
         failed = [(r, e[0]) for r, e in enumerate(everyone) if e[0] is not None]
@@ -410,7 +436,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"DistributedOptimizer: rank {r} rejected its arguments ({msg}); no rank can continue.\n"
                              "HINT: fix the arguments on that rank; every rank must create the optimizer the same way")
         if any(e[1] != everyone[0][1] for e in everyone):
-            all_specs = comm.allgather_object(specs)
+            all_specs = comm.allgather_object(specs, group=self._group)
             why = bk.describe_spec_mismatch(all_specs) or "parameter lists differ"
             raise ValueError(
                 f"DistributedOptimizer: the ranks do not have the same parameters: {why}.\n"
@@ -612,12 +638,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def merge(self) -> None:
         """model_average: replace every rank's weights by their sample-weighted average now."""
         self._check_alive("merge()")
-        total = comm.allreduce(torch.tensor([self._ma_samples], dtype=torch.float64), op="sum")
+        total = comm.allreduce(torch.tensor([self._ma_samples], dtype=torch.float64), op="sum", group=self._group)
         weight = self._ma_samples / float(total[0]) if float(total[0]) > 0 else 1.0 / self._size
         with torch.no_grad():
             for flat, members in self._flat_params():
                 scaled = flat.double().mul_(weight) if flat.dtype != torch.float64 else flat.mul(weight)
-                comm.allreduce_(scaled, op="sum")
+                comm.allreduce_(scaled, op="sum", group=self._group)
                 self._unflatten_into(scaled.to(flat.dtype), members)
         self._ma_samples = 0.0
 
@@ -667,7 +693,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for r in range(self._size):
                     if r == server:
                         continue
-                    comm.recv(scratch, source=r, tag=_PS_TAG)
+                    comm.recv(scratch, source=r, tag=_PS_TAG, group=self._group)
                     other = scratch.to(acc.dtype)
                     if op in (ReduceOp.Average, ReduceOp.Sum):
                         acc += other
@@ -681,7 +707,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     acc /= self._size
                 buf.copy_(acc)
             else:
-                comm.send(host.contiguous(), dest=server, tag=_PS_TAG)
+                comm.send(host.contiguous(), dest=server, tag=_PS_TAG, group=self._group)
 
     def _broadcast_params(self, root: int) -> None:
         with torch.no_grad():
