@@ -14,6 +14,7 @@ import sys
 EPILOG = """examples:
   hpctrain train examples/digits.yaml --dry-run
   hpctrain launch -n 2 -- hpctrain train examples/digits.yaml
+  hpctrain launch -n 4 -- hpctrain train examples/digits_hybrid.yaml   # 2 replicas x 2 pipeline stages
   mpirun -n 4 hpctrain train run.yaml --set optimizer.lr=0.05 --set epochs=20 --quiet
   mpirun -n 4 hpctrain train run.yaml --resume auto        # continue from the newest valid checkpoint
   hpctrain report runs/digits
@@ -126,6 +127,15 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         return 2
     if rank == 0:
         print(f"config {args.config}: valid")
+        if cfg.parallel and int(cfg.parallel.get("pipeline_stages", 1)) > 1:
+            from hpctrain.parallel import bubble_fraction
+            from hpctrain.train.pipeline import parallel_config
+
+            pc = parallel_config(cfg)
+            print(f"pipeline: {world} ranks = {plan.world_size} data-parallel replica(s) x {pc.pipeline_stages} stages "
+                  f"({pc.schedule}, {pc.micro_batches} micro-batches per batch, bubble "
+                  f"{bubble_fraction(pc.pipeline_stages, pc.micro_batches):.2f}); the data is shared among the "
+                  "replicas ('rank' below = replica)")
         print(plan.describe())
         every = f"every {cfg.checkpoint.interval_steps} steps" if cfg.checkpoint.interval_steps else "every epoch"
         print(f"run directory: {cfg.run_dir}   checkpoints: {cfg.checkpoint_dir} (keep {cfg.checkpoint.keep}, {every})")

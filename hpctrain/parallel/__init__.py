@@ -11,14 +11,13 @@ when, message order, bubble). Execution: :mod:`.pipeline`; groups and gradient a
 """
 from .partition import PartitionError, PartitionPlan, balance, plan_partition, split_rows
 from .schedule import SCHEDULES, Schedule, ScheduleError, bubble_fraction, make_program, make_schedule, simulate
-from .hybrid import (GroupAveragingOptimizer, HybridLayout, average_gradients, check_world, distributed_optimizer,
-                     make_groups)
+from .hybrid import HybridLayout, check_world, distributed_optimizer, make_groups
 from .pipeline import PipelineModule, StepStats, measure_layer_times, parameter_costs, sequence_layers
 from .config import ParallelConfig
 from .checkpoint import load_stage_checkpoint, merge_stage_checkpoints, save_stage_checkpoint, stage_checkpoint_path
 
 __all__ = [
-    "PipelineModule", "StepStats", "ParallelConfig", "distributed_optimizer", "GroupAveragingOptimizer", "average_gradients",
+    "PipelineModule", "StepStats", "ParallelConfig", "distributed_optimizer",
     "HybridLayout", "check_world", "make_groups", "PartitionPlan", "PartitionError", "plan_partition", "balance",
     "split_rows", "SCHEDULES", "Schedule", "ScheduleError", "make_schedule", "make_program", "simulate",
     "bubble_fraction", "measure_layer_times", "parameter_costs", "sequence_layers", "save_stage_checkpoint",

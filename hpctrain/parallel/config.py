@@ -73,6 +73,26 @@ class ParallelConfig:
         """True when a pipeline is asked for (more than one stage)."""
         return self.pipeline_stages > 1
 
+    def check(self, model: Any, world_size: int) -> None:
+        """Pure pre-flight of a pipeline of ``model`` on ``world_size`` ranks: raises ValueError
+        (the same on every rank, before any communication) when there are more stages than
+        ranks, the world is not a multiple of the stages, the model is not an nn.Sequential or
+        a list of modules, or it cannot be split as asked (too few layers, bad split points)."""
+        from .hybrid import check_world
+        from .partition import plan_partition
+        from .pipeline import parameter_costs, sequence_layers
+
+        check_world(world_size, self.pipeline_stages)
+        try:
+            layers = sequence_layers(model)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        costs = parameter_costs(layers)
+        if self.balance == "time" and self.split_points is None and self.sizes is None:
+            plan_partition(costs, self.pipeline_stages)  # the layer count; the split is measured later
+        else:
+            plan_partition(costs, self.pipeline_stages, split_points=self.split_points, sizes=self.sizes)
+
     def build(self, model: Any, sample_input: Any = None, group: Any = None, device: Any = None) -> Any:
         """The :class:`~hpctrain.parallel.pipeline.PipelineModule` these settings describe."""
         from .pipeline import PipelineModule

@@ -9,16 +9,14 @@ all-reduce of a stage's gradients moves far more bytes than the activations betw
 
 :func:`make_groups` creates both with ``comm.split`` (after :meth:`HybridLayout.build` has
 validated the sizes — errors come before any communication). :func:`distributed_optimizer`
-averages each stage's gradients over its data-parallel group: with hpctrain.torch's
-``DistributedOptimizer`` when it accepts a group, otherwise with :class:`GroupAveragingOptimizer`
-(one ``comm.allreduce(op="avg", group=dp_group)`` of the flattened gradients per step).
+averages each stage's gradients over its data-parallel group with hpctrain.torch's
+``DistributedOptimizer(process_set=dp_group)``.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -113,139 +111,26 @@ def make_groups(stages: int, layout: Optional[HybridLayout] = None) -> HybridGro
 
 
 # --------------------------------------------------------------------------- gradient averaging
-def average_gradients(params: Iterable[torch.Tensor], group: Any) -> None:
-    """Average ``.grad`` of ``params`` over ``group`` with one fused all-reduce per dtype.
-
-    Every rank of the group must pass the same parameters in the same order; a missing
-    gradient counts as zeros (another replica may have one)."""
-    params = [p for p in params if p.requires_grad]
-    if group is None or group.size == 1 or not params:
-        return
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        members = by_dtype[dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).cpu()
-                          for p in members])
-        comm.allreduce_(flat, op="avg", group=group)
-        offset = 0
-        for p in members:
-            n = p.numel()
-            chunk = flat[offset:offset + n].view_as(p).to(p.device)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += n
-
-
-class GroupAveragingOptimizer:
-    """Wraps a torch optimizer: ``step()`` first averages the gradients over ``group``.
-
-    Used when hpctrain.torch's ``DistributedOptimizer`` takes no group argument. Gradients of
-    all micro-batches are already summed locally by the pipeline, so one all-reduce per step.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, group: Any) -> None:
-        self.optimizer = optimizer
-        self.group = group
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def _params(self) -> List[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def synchronize(self) -> None:
-        """Average the gradients now (``step()`` does it too)."""
-        average_gradients(self._params(), self.group)
-        self._synced = True
-
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Any:
-        if not getattr(self, "_synced", False):
-            self.synchronize()
-        self._synced = False
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def __repr__(self) -> str:
-        return f"GroupAveragingOptimizer({self.optimizer!r}, group={self.group!r})"
-
-
-def _group_keyword() -> Optional[str]:
-    """How hpctrain.torch.DistributedOptimizer takes a subset of ranks, if it does:
-    'group' / 'comm_group' (an hpctrain.comm Group) or 'process_set' (a Horovod ProcessSet)."""
-    try:
-        from hpctrain.torch import DistributedOptimizer
-    except ImportError:  # pragma: no cover - hpctrain.torch is part of the package
-        return None
-    params = inspect.signature(DistributedOptimizer.__init__).parameters
-    for name in ("group", "comm_group", "process_set"):
-        if name in params:
-            return name
-    return None
-
-
-def _process_set(pipe: Any) -> Any:
-    """The Horovod process set of this stage's data-parallel ranks. Every rank registers the
-    sets of all stages, in stage order (add_process_set is collective over the world)."""
-    cached = getattr(pipe, "_dp_process_set", None)
-    if cached is not None:
-        return cached
-    layout = getattr(pipe, "layout", None)
-    if layout is None:
-        raise ValueError("distributed_optimizer with process sets needs the pipeline's DP × PP layout; build the "
-                         "PipelineModule with group=None")
-    import hpctrain.torch as hvd
-
-    mine = None
-    for stage in range(layout.stages):
-        ps = hvd.add_process_set(list(layout.data_parallel_ranks(stage)))
-        if stage == pipe.stage:
-            mine = ps
-    pipe._dp_process_set = mine
-    return mine
-
-
 def distributed_optimizer(pipe: Any, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
-    """An optimizer whose ``step()`` averages ``pipe``'s stage gradients over its data-parallel
-    group, then steps. With one replica (DP = 1) the optimizer is returned unchanged. Every
-    rank must call it (it may create communicators).
+    """``hpctrain.torch.DistributedOptimizer`` averaging ``pipe``'s stage gradients over the
+    stage's data-parallel group (``process_set=pipe.data_parallel_group``). Every rank calls it;
+    the ranks of one data-parallel group agree on the options.
 
-    Uses ``hpctrain.torch.DistributedOptimizer(…, backward_passes_per_step=micro_batches)`` on
-    the data-parallel ranks when it accepts a group or process set; otherwise
-    :class:`GroupAveragingOptimizer`. ``kwargs`` go to DistributedOptimizer.
+    Defaults: ``backward_passes_per_step=pipe.micro_batches`` (one backward pass per
+    micro-batch, all summed locally before one all-reduce per step) and ``overlap=False``
+    (the buckets are all-reduced in ``step()``/``synchronize()``, after the schedule's last
+    message, so data-parallel traffic never competes with the pipeline's). With one replica
+    (DP = 1) the group has one rank and the optimizer is a pass-through. A pipeline built with
+    an explicit ``group=`` has no data-parallel group: the optimizer is returned unchanged.
+    ``kwargs`` go to DistributedOptimizer (compression, backend="mpi", fusion_threshold, …).
     """
     group = pipe.data_parallel_group
-    if group is None or group.size == 1:
+    if group is None:
         return optimizer
-    keyword = _group_keyword()
-    if keyword is not None:
-        import hpctrain.torch as hvd
-        from hpctrain.torch import DistributedOptimizer
+    import hpctrain.torch as hvd
 
-        hvd.init()  # idempotent; DistributedOptimizer and process sets require it
-        kwargs.setdefault("backward_passes_per_step", pipe.micro_batches)
-        kwargs[keyword] = _process_set(pipe) if keyword == "process_set" else group
-        return DistributedOptimizer(optimizer, named_parameters=list(pipe.named_parameters()), **kwargs)
-    if kwargs:
-        raise ValueError(f"options {sorted(kwargs)} need hpctrain.torch.DistributedOptimizer with a group "
-                         "argument, which this installation lacks")
-    if comm.rank() == 0:
-        log.info("pipeline: averaging stage gradients over data-parallel groups of %d with comm.allreduce "
-                 "(DistributedOptimizer takes no group)", group.size)
-    return GroupAveragingOptimizer(optimizer, group)
+    hvd.init()  # idempotent; DistributedOptimizer requires it
+    kwargs.setdefault("backward_passes_per_step", pipe.micro_batches)
+    kwargs.setdefault("overlap", False)
+    return hvd.DistributedOptimizer(optimizer, named_parameters=list(pipe.named_parameters()), process_set=group,
+                                    **kwargs)

@@ -374,14 +374,21 @@ class PipelineModule:
             raise ValueError(f"batch has {len(batch)} rows but targets {len(targets)}")
         return rows
 
-    def train_step(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def train_step(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn, *,
+                   rows_weighted: bool = True) -> torch.Tensor:
         """Forward and backward of one batch through the whole pipeline; gradients accumulate
         in this stage's ``.grad``. Returns the batch's mean loss (on every stage when
         ``broadcast_loss``, else on the last stage and NaN elsewhere).
 
         ``loss_fn(output, targets)`` must return the mean over the micro-batch. Pass the same
         ``batch`` and ``targets`` on every stage of a pipeline (stage 0 uses the batch, the last
-        stage the targets; the others only their length).
+        stage the targets; the others only their length). ``targets`` may be any object with
+        ``len()``, row slicing and (with ``device``) ``.to(device)``.
+
+        ``rows_weighted=False``: ``loss_fn``'s value is used as it is, not weighted by the
+        micro-batch's share of rows (for a loss that carries its own normalisation, such as a
+        masked sum divided by a global batch size); the returned loss is then the sum of the
+        micro-batches' values.
         """
         rows = self._rows(batch, targets)
         ranges = split_rows(rows, self.micro_batches)
@@ -435,7 +442,7 @@ class PipelineModule:
                     if loss.dim() != 0:
                         raise ValueError(f"loss_fn returned shape {tuple(loss.shape)}; it must return a scalar "
                                          "(the mean over the micro-batch)")
-                    scaled = loss * (mrows / rows)
+                    scaled = loss * (mrows / rows) if rows_weighted else loss
                     losses[m] = scaled
                     total_loss += scaled.detach().double().cpu()
                 else:
@@ -488,14 +495,17 @@ class PipelineModule:
         return loss_value
 
     @torch.no_grad()
-    def evaluate(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def evaluate(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn, *,
+                 rows_weighted: bool = True, micro_batches: Optional[int] = None) -> torch.Tensor:
         """Forward-only pass of one batch (validation): micro-batches flow forward, no
-        gradients, no activations kept. Returns the batch's mean loss like :meth:`train_step`.
+        gradients, no activations kept. Returns the batch's mean loss like :meth:`train_step`
+        (``rows_weighted`` as there). ``micro_batches``: how many to cut this batch into
+        (default: the training M; every stage must pass the same value).
 
         Forward-only traffic goes one way (stage s → s+1, micro-batches in order), so the plain
         receive-compute-send loop cannot deadlock."""
         rows = self._rows(batch, targets)
-        ranges = split_rows(rows, self.micro_batches)
+        ranges = split_rows(rows, self.micro_batches if micro_batches is None else micro_batches)
         dev = self.device
         total = torch.zeros((), dtype=torch.float64)
         for m, (a, b) in enumerate(ranges):
@@ -509,7 +519,8 @@ class PipelineModule:
                 self._give_buffer(buf)
             if self.is_last:
                 t = targets[a:b] if dev is None else targets[a:b].to(dev)
-                total += loss_fn(y, t).detach().double().cpu() * ((b - a) / rows)
+                value = loss_fn(y, t).detach().double().cpu()
+                total += value * ((b - a) / rows) if rows_weighted else value
             else:
                 t = self._wire(y)
                 self._send_activation(t, b - a)

@@ -267,10 +267,9 @@ class TrainConfig:
                 pc = ParallelConfig.from_dict(self.parallel)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            _need(not pc.enabled,
-                  f"parallel.pipeline_stages: {pc.pipeline_stages}; `hpctrain train` runs data parallelism only "
-                  "for now (pipeline stages are not wired into the runner yet). HINT: remove the parallel: "
-                  "section, or drive hpctrain.parallel.PipelineModule from your own script (docs/parallel.md)")
+            from hpctrain.train.pipeline import check_runner_options
+
+            check_runner_options(self, pc)
         if self.loss == "mse":
             _need("accuracy" not in self.eval.metrics,
                   "eval.metrics: 'accuracy' needs loss: cross_entropy (classification)")

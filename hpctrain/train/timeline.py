@@ -105,10 +105,11 @@ class TracingBackend:
             from hpctrain.comm import asyncq
 
             step = tl.step
+            group = getattr(self.inner, "group", None)  # a process set's group (pipeline: data-parallel)
 
             def run() -> torch.Tensor:
                 t0 = time.perf_counter()
-                comm.allreduce_(buf, op=op)
+                comm.allreduce_(buf, op=op, group=group)
                 t1 = time.perf_counter()
                 tl.add(label, t0, t1, tid=COMM_TID, step=step, bytes=nbytes)
                 return buf

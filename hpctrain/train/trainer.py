@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import hpctrain
 from hpctrain import comm
 from hpctrain.train import checkpoint as ckpt
+from hpctrain.train import pipeline as pp
 from hpctrain.train.config import ConfigError, TrainConfig
 from hpctrain.train.metrics import (RANK_FIELDS, MetricsWriter, StragglerDetector, rebalance_weights, rss_mb,
                                     summarize_ranks)
@@ -197,19 +198,30 @@ class Trainer:
         self.resume = resume
         self.run_dir = Path(config.run_dir)
         self.plan: Optional[TrainPlan] = None
+        self.pipe: Any = None  # the PipelineModule of a parallel.pipeline_stages > 1 run
 
     # ------------------------------------------------------------------ planning
     def make_plan(self, world_size: Optional[int] = None) -> TrainPlan:
-        """The plan for ``world_size`` ranks (default: the current world). Reads file metadata only."""
+        """The plan for ``world_size`` ranks (default: the current world). Reads file metadata only.
+
+        With a pipeline (``parallel.pipeline_stages`` S > 1) the data is planned over the
+        ``world_size // S`` data-parallel replicas; a world that cannot hold the stages is a
+        ConfigError here, before any communication."""
         cfg = self.cfg
-        keys = [cfg.data.keys["x"], cfg.data.keys["y"]]
-        train = data_counts(cfg.data.train, keys)
-        test = data_counts(cfg.data.test, keys) if cfg.data.test else []
+        pc = pp.parallel_config(cfg)
+        pp.check_runner_options(cfg, pc)
         if world_size is None:
             comm.init()
             world_size = comm.size()
-        b = resolve_batch_size(cfg, sum(train) // max(1, world_size))
-        return make_plan(cfg, train, test, world_size, b)
+        data_world = pp.check_world(pc, world_size) if pc.enabled else world_size
+        keys = [cfg.data.keys["x"], cfg.data.keys["y"]]
+        train = data_counts(cfg.data.train, keys)
+        test = data_counts(cfg.data.test, keys) if cfg.data.test else []
+        b = resolve_batch_size(cfg, sum(train) // max(1, data_world))
+        plan = make_plan(cfg, train, test, data_world, b)
+        if pc.enabled:
+            pp.check_batch(pc, plan.rank_batch_sizes)
+        return plan
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> FitResult:
@@ -230,8 +242,10 @@ class Trainer:
             torch.backends.cudnn.deterministic = True
 
         # -- the plan (every rank computes the same one) --------------------------
+        pc = pp.parallel_config(cfg)
         plan = self.make_plan(world)
         self.plan = plan
+        data_rank, data_world = rank, world  # who shares the data: ranks, or pipeline replicas
         xk, yk = cfg.data.keys["x"], cfg.data.keys["y"]
         dtypes = {cfg.data.keys[role]: dt for role, dt in cfg.data.dtypes.items()}
 
@@ -240,13 +254,29 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         random.seed(cfg.seed)
         model = import_factory(cfg.model.factory)(**cfg.model.kwargs)
-        if not isinstance(model, torch.nn.Module):
+        if pc.enabled:
+            # Pure checks (identical on every rank) before the first message.
+            pp.check_model(pc, model, world, cfg.model.factory)
+        elif not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model.factory {cfg.model.factory!r} returned {type(model).__name__}, "
                               "expected a torch.nn.Module")
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_parameters((model if isinstance(model, torch.nn.Module)
+                                  else torch.nn.ModuleList(model)).state_dict(), root_rank=0)
         device = resolve_device(cfg.device)
         self.device = device
-        model.to(device)
+        pipe = None
+        if pc.enabled:
+            pipe = pc.build(model, sample_input=self._sample_input(pc, plan.batch_size),
+                            device=None if device.type == "cpu" else device)
+            data_rank, data_world = pipe.replica, pipe.layout.data_parallel
+            model = pipe.module  # this rank's stage: what the optimizer steps
+            if rank == 0:
+                log.info("pipeline: %d stages x %d data-parallel replicas, %s schedule, %d micro-batches of a "
+                         "%d-row replica batch; stage split %s", pipe.stages, data_world, pipe.schedule,
+                         pipe.micro_batches, plan.batch_size, pipe.plan.describe())
+        else:
+            model.to(device)
+        self.pipe = pipe
         # Per-rank streams from here on (dropout, augmentation differ per rank).
         torch.manual_seed(cfg.seed + 1_000_003 * (rank + 1))
         np.random.seed((cfg.seed + 7919 * (rank + 1)) % 2**32)
@@ -258,11 +288,21 @@ class Trainer:
             strategy = f"parameter_server:{cfg.sync.server_rank}"
         elif strategy == "model_average":
             strategy = f"model_average:{cfg.sync.average_every}"
-        opt = hvd.DistributedOptimizer(
-            inner, named_parameters=model.named_parameters(),
-            compression=getattr(hvd.Compression, cfg.sync.compression),
-            backward_passes_per_step=cfg.sync.backward_passes_per_step, sync=strategy,
-            backend=cfg.sync.backend, fusion_threshold=cfg.sync.fusion_threshold)
+        if pipe is not None:
+            from hpctrain.parallel import distributed_optimizer
+
+            # Each stage's gradients are averaged over its data-parallel group; one backward
+            # pass per micro-batch, k batches per step.
+            opt = distributed_optimizer(
+                pipe, inner, compression=getattr(hvd.Compression, cfg.sync.compression),
+                backward_passes_per_step=cfg.sync.backward_passes_per_step * pipe.micro_batches,
+                fusion_threshold=cfg.sync.fusion_threshold)
+        else:
+            opt = hvd.DistributedOptimizer(
+                inner, named_parameters=model.named_parameters(),
+                compression=getattr(hvd.Compression, cfg.sync.compression),
+                backward_passes_per_step=cfg.sync.backward_passes_per_step, sync=strategy,
+                backend=cfg.sync.backend, fusion_threshold=cfg.sync.fusion_threshold)
         timeline = Timeline(rank, enabled=cfg.timeline, max_steps=cfg.timeline_max_steps)
         if cfg.timeline and hasattr(opt, "_backend"):
             # Time each bucket's all-reduce (DistributedOptimizer takes backends by name only).
@@ -276,8 +316,11 @@ class Trainer:
         step, epoch, skip = 0, 0, 0
         weights: Optional[List[float]] = None
         if state is not None:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
+            if pipe is not None:
+                pp.load(resumed_from, pipe, opt)
+            else:
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
             step, epoch, skip = int(state["step"]), int(state["epoch"]), int(state["step_in_epoch"])
             extra = state.get("extra", {})
             weights = extra.get("balance_weights")
@@ -295,20 +338,31 @@ class Trainer:
         if weights is not None:
             plan = make_plan(cfg, [plan.train_samples], [plan.test_samples], world, plan.batch_size, weights)
 
+        def rank_batches() -> np.ndarray:
+            """Samples per batch of every world rank (a pipeline's ranks share their replica's)."""
+            return np.array([plan.rank_batch_sizes[r % data_world] for r in range(world)], float)
+
         # -- data ------------------------------------------------------------------
+        # Every rank of one pipeline reads the same batches (rank=replica, world_size=DP), each
+        # only the keys its stage needs; serial HDF5 (the stages read different keys).
+        keys = [xk, yk] if pipe is None else pp.loader_keys(pipe.stage, pipe.stages, xk, yk)
+        kdtypes = {k: v for k, v in dtypes.items() if k in keys}
+        driver: Any = "auto" if pipe is None else None
+
         def train_set(w: Optional[List[float]]) -> HDF5Dataset:
-            return HDF5Dataset(cfg.data.train, keys=[xk, yk], batch_size=plan.batch_size,
+            return HDF5Dataset(cfg.data.train, keys=keys, batch_size=plan.batch_size,
                                policy="weighted" if w is not None else cfg.data.policy, seed=cfg.seed,
                                shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last, weights=w,
-                               rank=rank, world_size=world, dtypes=dtypes, prefetch=cfg.data.prefetch)
+                               rank=data_rank, world_size=data_world, dtypes=kdtypes, prefetch=cfg.data.prefetch,
+                               driver=driver)
 
         ds = train_set(weights)
         test_ds = None
         if cfg.data.test:
-            test_ds = HDF5Dataset(cfg.data.test, keys=[xk, yk],
-                                  batch_size=eval_batch_size(cfg.eval.batch_size, plan.test_samples, world),
-                                  shuffle=False, drop_last=False, rank=rank, world_size=world, dtypes=dtypes,
-                                  prefetch=cfg.data.prefetch)
+            test_ds = HDF5Dataset(cfg.data.test, keys=keys,
+                                  batch_size=eval_batch_size(cfg.eval.batch_size, plan.test_samples, data_world),
+                                  shuffle=False, drop_last=False, rank=data_rank, world_size=data_world,
+                                  dtypes=kdtypes, prefetch=cfg.data.prefetch, driver=driver)
 
         # -- outputs ---------------------------------------------------------------
         if rank == 0:
@@ -357,7 +411,7 @@ class Trainer:
         comm.barrier()
         timeline.start_clock()
         t_train = time.perf_counter()
-        model.train()
+        (pipe if pipe is not None else model).train()
 
         def gather(row: np.ndarray) -> np.ndarray:
             # The per-step metrics gather runs right after synchronize() (nothing in flight) at
@@ -404,7 +458,7 @@ class Trainer:
                         raise RuntimeError(f"debug.fail_at_step={step}: injected failure on rank {rank} "
                                            f"at unix time {time.time():.3f}")
                     t_step = time.perf_counter()
-                    t_data = t_fwd = t_bwd = 0.0
+                    t_data = t_fwd = t_bwd = t_pipe_comm = 0.0
                     loss_sum = 0.0
                     n_real = 0.0
                     correct = 0.0
@@ -416,6 +470,19 @@ class Trainer:
                         timeline.add("data-wait", t0, t1)
                         if dbg.slow_rank == rank and dbg.slow_ms > 0:
                             time.sleep(dbg.slow_ms / 1000.0)
+                        if pipe is not None:
+                            got = self._pipeline_batch(pipe, batch, xk, yk, plan, data_world,
+                                                       dbg.nan_at_step == step and dbg.nan_rank == rank)
+                            t2 = time.perf_counter()
+                            timeline.add("pipeline", t1, t2)
+                            t_data += t1 - t0
+                            t_fwd += pipe.last_stats.compute_seconds  # forward + backward of the stage
+                            t_pipe_comm += pipe.last_stats.comm_seconds
+                            loss_sum += got[0]
+                            n_real += got[1]
+                            correct += got[2]
+                            nonfinite = nonfinite or not np.isfinite(got[0])
+                            continue
                         x, y, mask = (batch[xk].to(device, non_blocking=True), batch[yk].to(device, non_blocking=True),
                                       batch["mask"].to(device, non_blocking=True))
                         out = model(x)
@@ -480,7 +547,7 @@ class Trainer:
                         t7 = time.perf_counter()
                         timeline.add("optimizer", t6, t7)
                     t_end = time.perf_counter()
-                    comm_s = t5 - t4
+                    comm_s = t5 - t4 + t_pipe_comm
                     prev_times = [t_end - t_step, t_data, t_fwd, t_bwd, comm_s, t_end - t5, rss_mb()]
                     total_real = float(rows[:, _G_REAL].sum())
                     last_loss = float(rows[:, _G_LOSS].sum() / total_real) if total_real else float("nan")
@@ -503,7 +570,7 @@ class Trainer:
                         t = np.stack(interval_rows)  # (steps, world, fields)
                         busy_r = (t[:, :, 0] - t[:, :, 4]).mean(axis=0)
                         epoch_busy += (t[:, :, 0] - t[:, :, 4]).sum(axis=0)
-                        epoch_samples += len(interval_rows) * np.array(plan.rank_batch_sizes, float) * k
+                        epoch_samples += len(interval_rows) * rank_batches() * k
                         for rep in detector.update(busy_r.tolist()):
                             if rank == 0:
                                 log.warning(
@@ -518,7 +585,8 @@ class Trainer:
                     epoch_end = s_in_epoch >= plan.steps_per_epoch
                     pos = (epoch + 1, 0) if epoch_end else (epoch, s_in_epoch)
                     if step in eval_at and test_ds is not None:
-                        last_eval = self._evaluate(model, test_ds, timeline, xk, yk)
+                        last_eval = (self._evaluate(model, test_ds, timeline, xk, yk) if pipe is None
+                                     else self._evaluate_pipeline(pipe, test_ds, timeline, xk, yk))
                         rec = {"kind": "eval", "step": step, "epoch": epoch, **last_eval}
                         metrics.write(rec)
                         if tb is not None:
@@ -532,7 +600,8 @@ class Trainer:
                                    + (f", test accuracy {acc:.4f}" if acc is not None else ""))
                             (bar.write(msg) if bar is not None else log.info(msg))
                     if cfg.checkpoint.enabled and (step in ckpt_at or stop_now or debug_stop):
-                        last_ckpt = self._save(ckpt_dir, model, opt, step, pos, weights, timeline)
+                        last_ckpt = (self._save(ckpt_dir, model, opt, step, pos, weights, timeline) if pipe is None
+                                     else self._save_pipeline(ckpt_dir, pipe, opt, step, pos, timeline))
                     if stop_now or debug_stop:
                         if stop_now:
                             status = "preempted"
@@ -626,8 +695,9 @@ class Trainer:
     def _preflight(self, ckpt_dir: Path, estimate: int) -> None:
         if self.cfg.checkpoint.enabled:
             ckpt.preflight(ckpt_dir, estimate, self.cfg.checkpoint.keep)
-            if self.resume is None and ckpt.list_checkpoints(ckpt_dir):
-                newest = ckpt.list_checkpoints(ckpt_dir)[0][1]
+            found = ckpt.list_checkpoints(ckpt_dir) + pp.list_checkpoints(ckpt_dir)
+            if self.resume is None and found:
+                newest = max(found)[1]
                 raise ckpt.CheckpointError(
                     f"checkpoint directory {str(ckpt_dir)!r} already holds checkpoints of an earlier run "
                     f"(newest: {newest.name}); starting fresh would mix the two runs\n"
@@ -643,11 +713,29 @@ class Trainer:
         if self.resume is None:
             return None, None
         choice: Any = None
+        pipeline = self.pipe is not None
         if self.rank == 0:
             try:
-                if self.resume == "auto":
-                    found = ckpt.newest_valid(ckpt_dir)
+                if self.resume == "auto" and pipeline:
+                    found = pp.newest_valid(ckpt_dir)
+                    if found is None and ckpt.list_checkpoints(ckpt_dir):
+                        raise ckpt.CheckpointError(
+                            f"{ckpt_dir} holds data-parallel checkpoints (ckpt-*.pt) but this run has a pipeline "
+                            "(parallel.pipeline_stages > 1), which resumes from pipeline-<step>/ directories.\n"
+                            "HINT: resume with the same parallel: settings as the run that wrote them, or use a "
+                            "new checkpoint.dir")
                     choice = ("ok", str(found[0])) if found else ("none", None)
+                elif self.resume == "auto":
+                    found = ckpt.newest_valid(ckpt_dir)
+                    if found is None and pp.list_checkpoints(ckpt_dir):
+                        raise ckpt.CheckpointError(
+                            f"{ckpt_dir} holds pipeline checkpoints (pipeline-<step>/) but this run has no "
+                            "parallel: section.\nHINT: resume with the parallel: settings of the run that wrote "
+                            "them, or merge one (python -m hpctrain.parallel.checkpoint merge DIR -o model.pt)")
+                    choice = ("ok", str(found[0])) if found else ("none", None)
+                elif pipeline:
+                    pp.load_meta(Path(self.resume))
+                    choice = ("ok", str(self.resume))
                 else:
                     ckpt.load_checkpoint(Path(self.resume))
                     choice = ("ok", str(self.resume))
@@ -661,7 +749,7 @@ class Trainer:
                 log.info("--resume auto: no checkpoint in %s; starting from scratch", ckpt_dir)
             return None, None
         path = Path(choice[1])
-        return ckpt.load_checkpoint(path), path
+        return (pp.load_meta(path) if pipeline else ckpt.load_checkpoint(path)), path
 
     def _save(self, ckpt_dir: Path, model: torch.nn.Module, opt: Any, step: int, pos: Tuple[int, int],
               weights: Optional[List[float]], timeline: Timeline) -> Optional[str]:
@@ -683,6 +771,89 @@ class Trainer:
         if result[0] == "error":
             raise ckpt.CheckpointError(result[1])
         return result[1]
+
+    # ------------------------------------------------------------------ pipeline mode
+    def _sample_input(self, pc: Any, batch_size: int) -> Optional[torch.Tensor]:
+        """One micro-batch of zeros shaped like the data, for ``parallel.balance: time``."""
+        if pc.balance != "time" or pc.split_points is not None or pc.sizes is not None:
+            return None
+        from hpctrain.data.h5files import describe, expand_paths
+        from hpctrain.data.loader import _torch_dtype
+
+        xk = self.cfg.data.keys["x"]
+        info = describe(expand_paths(list(self.cfg.data.train))[0], [xk])
+        dtype = _torch_dtype(self.cfg.data.dtypes.get("x", "float32")) or torch.float32
+        return torch.zeros((max(1, batch_size // pc.micro_batches), *info.keys[xk].shape[1:])).to(dtype)
+
+    def _pipeline_batch(self, pipe: Any, batch: Dict[str, torch.Tensor], xk: str, yk: str, plan: TrainPlan,
+                        data_world: int, inject_nan: bool) -> Tuple[float, float, float]:
+        """One batch through the pipeline: (loss sum, real samples, correct) of this rank —
+        numbers only on the last stage (zeros elsewhere, so the per-step gather sums them once)."""
+        cfg = self.cfg
+        sums = [0.0, 0.0, 0.0]
+        # Masked sum over the replica's batch scaled by DP / global batch: after the
+        # data-parallel average the gradient is that of the global batch-mean loss — the same
+        # normalisation as the data-parallel loop (world -> replicas).
+        scale = data_world / plan.global_batch
+
+        def loss_fn(out: torch.Tensor, t: pp.Targets) -> torch.Tensor:
+            per = per_sample_loss(cfg, out, t.y)
+            m = t.mask.to(per.dtype)
+            local = (per * m).sum()
+            if inject_nan:
+                local = local * float("nan")
+            sums[0] += float(local.detach())
+            sums[1] += float(m.sum())
+            if cfg.loss == "cross_entropy":
+                sums[2] += float(((out.detach().argmax(1) == t.y) & t.mask).sum())
+            return local * scale
+
+        x = batch[xk] if pipe.is_first else None
+        targets = pp.Targets(batch[yk], batch["mask"]) if pipe.is_last else pp.Targets(batch["mask"], batch["mask"])
+        pipe.train_step(x, targets, loss_fn, rows_weighted=False)
+        return sums[0], sums[1], sums[2]
+
+    def _evaluate_pipeline(self, pipe: Any, test_ds: Any, timeline: Timeline, xk: str, yk: str
+                           ) -> Dict[str, Optional[float]]:
+        """:meth:`_evaluate` through the pipeline: sums on the last stages, all-reduced."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        pipe.eval()
+        sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, count
+
+        def loss_fn(out: torch.Tensor, t: pp.Targets) -> torch.Tensor:
+            per = per_sample_loss(cfg, out, t.y)
+            m = t.mask.to(per.dtype)
+            sums[0] += float((per.double() * m.double()).sum())
+            if cfg.loss == "cross_entropy":
+                sums[1] += float(((out.argmax(1) == t.y) & t.mask).sum())
+            sums[2] += float(m.sum())
+            return per.sum()
+
+        for batch in test_ds:
+            x = batch[xk] if pipe.is_first else None
+            mask = batch["mask"]
+            targets = pp.Targets(batch[yk], mask) if pipe.is_last else pp.Targets(mask, mask)
+            pipe.evaluate(x, targets, loss_fn, rows_weighted=False,
+                          micro_batches=max(1, min(pipe.micro_batches, len(mask))))
+        pipe.train()
+        total = comm.allreduce(sums, op="sum")
+        timeline.add("eval", t0, time.perf_counter())
+        n = float(total[2])
+        res: Dict[str, Optional[float]] = {"test_samples": n}
+        res["test_loss"] = float(total[0] / n) if n and "loss" in cfg.eval.metrics else None
+        res["test_accuracy"] = (float(total[1] / n) if n and "accuracy" in cfg.eval.metrics
+                                and cfg.loss == "cross_entropy" else None)
+        return res
+
+    def _save_pipeline(self, ckpt_dir: Path, pipe: Any, opt: Any, step: int, pos: Tuple[int, int],
+                       timeline: Timeline) -> Optional[str]:
+        t0 = time.perf_counter()
+        meta = pp.build_meta(step=step, epoch=pos[0], step_in_epoch=pos[1], pipe=pipe, config=self.cfg.to_dict(),
+                             extra={"balance_weights": None, "scheduler_step": step})
+        path = pp.save(ckpt_dir, pipe, opt, meta, self.cfg.checkpoint.keep)
+        timeline.add("checkpoint", t0, time.perf_counter())
+        return path
 
     def _evaluate(self, model: torch.nn.Module, test_ds: Any, timeline: Timeline, xk: str, yk: str
                   ) -> Dict[str, Optional[float]]:

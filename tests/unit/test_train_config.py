@@ -190,5 +190,46 @@ def test_parallel_section_is_validated():
     assert cfg(parallel={"pipeline_stages": 1}).parallel == {"pipeline_stages": 1}
     with pytest.raises(ConfigError, match="unknown key"):
         cfg(parallel={"stages": 2})
-    with pytest.raises(ConfigError, match="data parallelism only"):
-        load_config(data=dict(BASE), overrides=["parallel.pipeline_stages=2"])
+    c = load_config(data=dict(BASE), overrides=["parallel.pipeline_stages=2", "parallel.micro_batches=4",
+                                                "parallel.schedule=gpipe"])
+    assert c.parallel == {"pipeline_stages": 2, "micro_batches": 4, "schedule": "gpipe"}
+    with pytest.raises(ConfigError, match="micro_batches must be an integer"):
+        cfg(parallel={"pipeline_stages": 2, "micro_batches": 0})
+    with pytest.raises(ConfigError, match="schedule"):
+        cfg(parallel={"pipeline_stages": 2, "schedule": "zigzag"})
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"sync": {"strategy": "model_average"}}, "sync.strategy"),
+    ({"sync": {"backend": "gloo"}}, "sync.backend"),
+    ({"balance": "auto"}, "balance: auto"),
+    ({"batch_size": "auto"}, "batch_size: auto"),
+])
+def test_pipeline_rejects_options_it_cannot_honour(extra, needle):
+    with pytest.raises(ConfigError, match=needle):
+        cfg(parallel={"pipeline_stages": 2}, **extra)
+    cfg(parallel={"pipeline_stages": 1}, **extra)  # no pipeline: fine
+
+
+def test_pipeline_world_model_and_batch_checks_are_pure():
+    import torch
+
+    from hpctrain.train import pipeline as pp
+
+    pc = pp.parallel_config(cfg(parallel={"pipeline_stages": 2, "micro_batches": 4}))
+    with pytest.raises(ConfigError, match="need at least 2 ranks"):
+        pp.check_world(pc, 1)
+    with pytest.raises(ConfigError, match="not divisible"):
+        pp.check_world(pp.parallel_config(cfg(parallel={"pipeline_stages": 2})), 3)
+    assert pp.check_world(pc, 4) == 2
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    pp.check_model(pc, seq, 2, "m:f")
+    with pytest.raises(ConfigError, match="nn.Sequential or a list"):
+        pp.check_model(pc, torch.nn.Linear(2, 2), 2, "m:f")
+    with pytest.raises(ConfigError, match="cannot split a model of 1 layer"):
+        pp.check_model(pc, torch.nn.Sequential(torch.nn.Linear(2, 2)), 2, "m:f")
+    with pytest.raises(ConfigError, match="split points"):
+        pp.check_model(pp.parallel_config(cfg(parallel={"pipeline_stages": 2, "split_points": [7]})), seq, 2, "m:f")
+    pp.check_batch(pc, [4, 5])
+    with pytest.raises(ConfigError, match="cannot be cut into parallel.micro_batches=4"):
+        pp.check_batch(pc, [3, 4])
