@@ -9,13 +9,18 @@ How it reads (the design that makes it fast):
 
 1. The planner gives this rank's sample ids for the epoch, in chunk-aligned blocks of at
    least ``block_bytes`` (whole HDF5 chunks) whose order is shuffled per epoch.
-2. The ids are walked one *window* (about ``window_bytes``, 16 MiB by default, a whole number of batches) at a
-   time. A background thread covers the window with a few contiguous ``[lo, hi)`` runs and
-   ``read_direct``-s each run into a preallocated staging buffer: large slab reads, no
-   per-sample ``dset[i]``, no intermediate copies.
-3. The consuming thread gathers each batch from the staging buffer with
-   ``numpy.take`` (in-memory shuffle; it releases the GIL, so it overlaps with the next
-   window's read) into a fresh tensor, casts dtypes and applies transforms.
+2. The ids are walked one *window* (about ``window_bytes``, 16 MiB by default, a whole
+   number of batches) at a time, by a background thread, into reused window arrays.
+3. Keys stored uncompressed are copied straight from a memory map of the file
+   (:mod:`hpctrain.data.mapped`): one ``numpy.take`` per stretch of the window in one
+   contiguous region of the file, so each byte is copied once, already in plan order, and
+   without the GIL. Other keys (compressed, filtered, or files opened with ``mpio``) are
+   read through HDF5: the window is covered with a few contiguous ``[lo, hi)`` runs, each
+   read with one ``H5Dread``; ascending windows land directly in the window arrays,
+   shuffled ones in a staging buffer that the consuming thread gathers with ``numpy.take``
+   (it releases the GIL, overlapping the next window's read).
+4. Batches are views of the window arrays (no copy); dtypes are cast and transforms applied
+   per batch.
 
 Files are opened lazily in the process that iterates and re-opened after a ``fork`` (the
 handles are never shared with DataLoader worker processes). With ``driver="auto"`` the
@@ -40,7 +45,8 @@ from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
     FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
 )
-from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, plan_epoch, read_runs
+from hpctrain.data.mapped import MappedKey, gather, map_dataset, open_map
+from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, locate, plan_epoch, read_runs
 
 log = logging.getLogger("hpctrain.data")
 
@@ -106,6 +112,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             for the gather); block_bytes: minimum bytes of a
             contiguous block (default 4 MiB, rounded up to whole HDF5 chunks).
         driver: ``"auto"``, ``"mpio"`` or ``"serial"``.
+        memory_map: read uncompressed keys of serially opened files from a memory map of
+            the file (default True); False reads everything through HDF5.
         mask_key, index_key: names of the padding mask and the global-id entries.
     """
 
@@ -129,6 +137,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         window_bytes: int = 16 << 20,
         block_bytes: int = 4 << 20,
         driver: Optional[str] = "auto",
+        memory_map: bool = True,
         mask_key: str = "mask",
         index_key: str = "index",
     ) -> None:
@@ -166,6 +175,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 raise ConfigError(f"dtypes/transforms name key {k!r}, which is not in keys {self.keys}")
         self.prefetch = int(prefetch)
         self.driver = driver
+        self.memory_map = bool(memory_map)
         choose_driver(driver, has_mpio(), self.world_size, False)  # validate early
         self.mask_key, self.index_key = mask_key, index_key
         self.epoch = 0
@@ -193,6 +203,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self._steps = first.steps
         self._handles: Dict[int, h5py.File] = {}
         self._dsets: Dict[int, Tuple[h5py.File, Dict[str, h5py.Dataset]]] = {}
+        self._maps: Dict[int, Dict[str, Optional[MappedKey]]] = {}
+        self._mmaps: Dict[int, Any] = {}
         self._pid: Optional[int] = None
 
     # -- planning ---------------------------------------------------------------------
@@ -258,6 +270,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         state = dict(self.__dict__)
         state["_handles"] = {}
         state["_dsets"] = {}
+        state["_maps"] = {}
+        state["_mmaps"] = {}
         state["_pid"] = None
         return state
 
@@ -267,6 +281,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             # Fresh process (fork or spawn): never use a parent's handles.
             self._handles = {}
             self._dsets = {}
+            self._maps = {}
+            self._mmaps = {}
             self._pid = pid
         f = self._handles.get(i)
         if f is None:
@@ -279,7 +295,26 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             else:
                 f = open_h5(self.paths[i], "r")
             self._handles[i] = f
+            self._maps.pop(i, None)
         return f
+
+    def _mapped(self, i: int) -> Dict[str, Optional[MappedKey]]:
+        """Memory-mapped keys of file ``i`` (None: read that key through HDF5)."""
+        found = self._maps.get(i)
+        if found is not None and self._pid == os.getpid():
+            return found
+        dsets = self._datasets(i)
+        found = {k: None for k in self.keys}
+        if self.memory_map and self._handles[i].driver == "sec2":
+            mm = self._mmaps.get(i) or open_map(self.paths[i])
+            if mm is not None:
+                self._mmaps[i] = mm
+                for key in self.keys:
+                    found[key], why = map_dataset(dsets[key], mm)
+                    if found[key] is None:
+                        log.debug("data: %s[%s] read through HDF5 (%s)", self.paths[i], key, why)
+        self._maps[i] = found
+        return found
 
     def _datasets(self, i: int) -> Dict[str, h5py.Dataset]:
         f = self._file(i)
@@ -297,41 +332,74 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     f.close()
                 except Exception:  # noqa: BLE001 - closing is best effort
                     pass
+            for maps in self._maps.values():
+                for mk in maps.values():
+                    if mk is not None:
+                        mk.release()
+            for mm in self._mmaps.values():
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive: unmapped when it goes
+                    pass
         self._handles = {}
         self._dsets = {}
+        self._maps = {}
+        self._mmaps = {}
 
     # -- reading ----------------------------------------------------------------------
     def _read_window(self, ids: np.ndarray, staging: Dict[str, np.ndarray], pool: "_WindowPool"
-                     ) -> Tuple[Dict[str, np.ndarray], Optional[np.ndarray]]:
-        """Read the rows of ``ids``. Returns ``(arrays, None)`` with the rows already in plan
-        order, or ``(staging, rows)``: the reused staging buffers and each id's row in them.
+                     ) -> Tuple[Dict[str, np.ndarray], Optional[Tuple[Dict[str, np.ndarray], np.ndarray, List[str]]]]:
+        """Read the rows of ``ids`` (in plan order) into window arrays taken from ``pool``.
 
-        Ids in ascending order (``shuffle="block"`` sorts each window; ``shuffle=False``) are
-        read straight into window arrays from the pool: batch i is then rows
-        ``[i*b, (i+1)*b)``, handed out as a view without a copy. Otherwise (in-window
+        Returns ``(arrays, pending)``. ``pending`` is None when every key is in place, or
+        ``(staging, rows, keys)``: those keys were read into the reused ``staging`` buffers
+        and still need the in-memory shuffle ``arrays[k] = staging[k][rows]``
+        (:meth:`_arrange`, run by the consumer so that it overlaps the next read).
+
+        Memory-mapped keys are gathered straight into ``arrays``. Other keys: ascending ids
+        (``shuffle="block"`` sorts each window; ``shuffle=False``) covered by few runs are
+        read straight into ``arrays`` with one HDF5 call per run; otherwise (in-window
         shuffle, strided, repeated padding ids) the sorted runs covering the ids are read
-        into ``staging`` and the consumer gathers them (:meth:`_arrange`).
+        into ``staging``.
         """
-        if len(ids) and np.all(ids[1:] > ids[:-1]):
+        arrays = pool.take(len(ids))
+        if not len(ids):
+            return arrays, None
+        files, rows = locate(ids, self.offsets)
+        lo, hi = int(files.min()), int(files.max())
+        touched = [lo] if lo == hi else np.unique(files).tolist()
+        maps = {fi: self._mapped(fi) for fi in touched}
+        hdf5_keys = []
+        for key in self.keys:
+            mks = [maps[fi][key] for fi in touched]
+            if all(mk is not None for mk in mks):
+                which = files if len(touched) == 1 else np.searchsorted(np.array(touched), files)
+                gather(mks, which, rows, arrays[key])
+            else:
+                hdf5_keys.append(key)
+        if not hdf5_keys:
+            return arrays, None
+        if np.all(ids[1:] > ids[:-1]):
             runs = read_runs(ids, self.offsets, max_gap=0, ascending=True)
             if len(runs) <= max(1, len(ids) // 16):  # not e.g. strided ids: one read per sample
-                arrays = pool.take(len(ids))
-                self._read_runs(runs, arrays)
+                self._read_runs(runs, arrays, hdf5_keys)
                 return arrays, None
         runs = read_runs(ids, self.offsets, max_gap=self._gap)
         total = sum(hi - lo for _, lo, hi in runs)
-        for key in self.keys:
+        for key in hdf5_keys:
             info = self.files[0].keys[key]
             buf = staging.get(key)
             if buf is None or buf.shape[0] < total:
                 staging[key] = np.empty((max(total, 1),) + info.shape[1:], dtype=info.dtype)
-        where = self._read_runs(runs, staging)
+        where = self._read_runs(runs, staging, hdf5_keys)
         starts = np.array([self.offsets[fi] + lo for fi, lo, _ in runs], np.int64)
         run = np.searchsorted(starts, ids, side="right") - 1
-        return staging, where[run] + (ids - starts[run])
+        return arrays, (staging, where[run] + (ids - starts[run]), hdf5_keys)
 
-    def _read_runs(self, runs: List[Tuple[int, int, int]], out: Dict[str, np.ndarray]) -> np.ndarray:
-        """Read sorted runs into ``out`` back to back; return where each run starts in ``out``.
+    def _read_runs(self, runs: List[Tuple[int, int, int]], out: Dict[str, np.ndarray], keys: Sequence[str]
+                   ) -> np.ndarray:
+        """Read sorted runs of ``keys`` into ``out`` back to back through HDF5; return where
+        each run starts in ``out``.
 
         Runs are whole blocks (several MiB), so per-call costs stay small.
         """
@@ -346,7 +414,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             mine = runs[j:k]
             rows = sum(hi - lo for _, lo, hi in mine)
             dsets = self._datasets(fi)
-            for key in self.keys:
+            for key in keys:
                 try:
                     _read_union(dsets[key], mine, out[key][pos:pos + rows])
                 except Exception as exc:  # damaged chunk, fletcher32 mismatch, ...
@@ -357,17 +425,16 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 j += 1
         return where
 
-    def _arrange(self, staging: Dict[str, np.ndarray], rows: Optional[np.ndarray], pool: "_WindowPool"
-                 ) -> Dict[str, np.ndarray]:
-        """Window arrays in plan order: as read, or gathered from the staging buffers with one
-        ``numpy.take`` per key (the in-memory shuffle; it runs without the GIL, overlapping
-        the producer's next read)."""
-        if rows is None:
-            return staging
-        out = pool.take(len(rows))
-        for key in self.keys:
-            np.take(staging[key], rows, axis=0, out=out[key], mode="clip")  # rows are valid
-        return out
+    def _arrange(self, arrays: Dict[str, np.ndarray],
+                 pending: Optional[Tuple[Dict[str, np.ndarray], np.ndarray, List[str]]]) -> Dict[str, np.ndarray]:
+        """Finish a window: gather the keys read into staging buffers into the window arrays
+        in plan order, one ``numpy.take`` per key (the in-memory shuffle; it runs without the
+        GIL, overlapping the producer's next read)."""
+        if pending is not None:
+            staging, rows, keys = pending
+            for key in keys:
+                np.take(staging[key], rows, axis=0, out=arrays[key], mode="clip")  # rows are valid
+        return arrays
 
     def _windows(self, plan: RankPlan) -> List[Tuple[int, int]]:
         w = self.window_steps
@@ -417,9 +484,9 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         if self.prefetch == 0:
             staging: Dict[str, np.ndarray] = {}
             for s0, s1 in windows:
-                arrays, rows = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
-                arrays = self._arrange(arrays, rows, pool)
-                del rows
+                arrays, pending = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                arrays = self._arrange(arrays, pending)
+                del pending
                 yield from self._batches(plan, (s0, s1), arrays, mask, index)
                 del arrays
             return
@@ -442,8 +509,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     staging = free.get()
                     if stop.is_set():
                         return
-                    arrays, rows = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
-                    ready.put(((s0, s1), arrays, rows, staging))
+                    arrays, pending = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                    ready.put(((s0, s1), arrays, pending, staging))
                 ready.put(done)
             except BaseException as exc:  # handed to the consumer, raised there
                 ready.put(exc)
@@ -457,10 +524,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                window, arrays, rows, staging = item
+                window, arrays, pending, staging = item
                 item = None
-                arrays = self._arrange(arrays, rows, pool)
-                rows = None
+                arrays = self._arrange(arrays, pending)
+                pending = None
                 free.put(staging)  # gathered (or never used): the producer may refill it
                 staging = None
                 yield from self._batches(plan, window, arrays, mask, index)

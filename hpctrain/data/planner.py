@@ -37,7 +37,10 @@ Policies:
 
 With ``window_steps > 0``, each rank's ids are also reordered inside windows of
 ``window_steps`` batches (the loader reads one window at a time): ``window_order="shuffle"``
-permutes them (seeded by ``(seed, epoch, rank, window)``; the loader shuffles in memory),
+splits each window into batches at random (seeded by ``(seed, epoch, rank, window)``; the
+loader shuffles in memory) and keeps the window's order inside each batch (which samples
+share a batch is random; their order inside it does not matter to training, and a batch is
+then a few ascending runs that the loader copies with a few gathers),
 ``"sort"`` sorts them by position (the loader then reads a window with one HDF5 call per key
 and hands out batches without copying). Sorting needs shuffling on: with ``shuffle=False``
 ids are in file order already.
@@ -245,19 +248,26 @@ def _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle):
     return steps, idx[fill], mask[fill] & (np.arange(slots) < per_rank)
 
 
-def _window_reorder(idx, mask, window_rows, seed, epoch, rank, order):
-    idx = idx.copy()
-    mask = mask.copy()
+def _window_reorder(idx, mask, window_rows, batch_size, seed, epoch, rank, order):
+    parts = []
     for w, start in enumerate(range(0, len(idx), window_rows)):
         stop = min(start + window_rows, len(idx))
         if order == "sort":
-            p = start + np.argsort(idx[start:stop], kind="stable")
-        else:
-            rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), w])
-            p = start + rng.permutation(stop - start)
-        idx[start:stop] = idx[p]
-        mask[start:stop] = mask[p]
-    return idx, mask
+            parts.append(start + np.argsort(idx[start:stop], kind="stable"))
+            continue
+        # A uniformly random split of the window into batches that keeps the window's order
+        # inside each batch: deal the positions to batches by a random permutation of batch
+        # labels, then group them by label (a stable sort). Which samples share a batch is
+        # random; their order inside a batch does not matter to training, and keeping it
+        # means a batch is a few ascending runs (one per block of the window), which the
+        # loader copies with a few gathers instead of one scatter per sample.
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), w])
+        steps = (stop - start) // batch_size
+        label_type = np.int16 if steps < 2**15 else np.int64  # int16: numpy's radix sort
+        labels = rng.permutation(np.repeat(np.arange(steps, dtype=label_type), batch_size))
+        parts.append(start + np.argsort(labels, kind="stable"))
+    p = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return idx[p], mask[p]
 
 
 def plan_epoch(
@@ -300,7 +310,8 @@ def plan_epoch(
     if window_order not in ("shuffle", "sort"):
         raise ConfigError(f"window_order must be 'shuffle' or 'sort', got {window_order!r}")
     if window_steps > 0 and shuffle:
-        idx, mask = _window_reorder(idx, mask, window_steps * sizes[rank], seed, epoch, rank, window_order)
+        idx, mask = _window_reorder(idx, mask, window_steps * sizes[rank], sizes[rank], seed, epoch, rank,
+                                    window_order)
     return RankPlan(
         rank=rank, world_size=world_size, epoch=int(epoch), policy=policy, steps=int(steps),
         batch_size=sizes[rank], global_batch=g, num_samples=n, window_steps=int(window_steps),

@@ -1,0 +1,209 @@
+"""Rows of uncompressed HDF5 datasets read straight from a memory map of the file.
+
+HDF5 stores an unfiltered dataset as plain bytes: one contiguous extent, or whole chunks at
+known file offsets. :func:`map_dataset` finds those offsets once (``H5Dget_offset`` /
+``H5Dchunk_iter``) and describes every sample row as a slice of a read-only ``mmap`` of the
+file. A window of samples is then copied from the page cache into the loader's arrays with
+one ``numpy.take`` per stretch of samples that share a view: each byte is copied once, in
+any order, without the GIL (``H5Dread`` into a staging buffer followed by an in-memory
+shuffle copies every byte twice).
+
+Only datasets whose rows are whole byte ranges of the file are mapped: contiguous layout
+without external storage, or chunked layout without filters whose chunks span the full
+row (``chunks[1:] == shape[1:]``) and are all allocated. Compressed, filtered, virtual,
+compact and partly written datasets return None and are read through HDF5. Every mapping
+is checked against an HDF5 read of a few rows before it is used.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import h5py
+import numpy as np
+from h5py import h5d
+
+MAX_CHUNKS_WITHOUT_ITER = 100_000  # H5Dget_chunk_info(i) is linear in i: quadratic beyond
+
+
+def open_map(path: str) -> Optional[mmap.mmap]:
+    """A read-only shared map of the whole file, or None (empty file, no mmap support)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[row, row + rows)`` stored back to back from file byte ``offset``."""
+
+    row: int
+    rows: int
+    offset: int
+
+
+def _chunk_offsets(dset: h5py.Dataset) -> Optional[List[Tuple[int, int, int]]]:
+    """``(first row, byte offset, stored size)`` of every chunk, or None if unavailable."""
+    found: List[Tuple[int, int, int]] = []
+    dsid = dset.id
+    if hasattr(dsid, "chunk_iter"):
+        dsid.chunk_iter(lambda info: found.append(
+            (int(info.chunk_offset[0]), -1 if info.byte_offset is None else int(info.byte_offset), int(info.size))))
+        return found
+    count = dsid.get_num_chunks()
+    if count > MAX_CHUNKS_WITHOUT_ITER:
+        return None
+    for i in range(count):
+        info = dsid.get_chunk_info(i)
+        found.append((int(info.chunk_offset[0]), -1 if info.byte_offset is None else int(info.byte_offset),
+                      int(info.size)))
+    return found
+
+
+def segments_of(dset: h5py.Dataset) -> Tuple[Optional[List[Segment]], str]:
+    """The dataset's rows as contiguous byte ranges of the file, or ``(None, why not)``."""
+    n = int(dset.shape[0]) if dset.shape else 0
+    row_bytes = int(np.prod(dset.shape[1:], dtype=np.int64)) * dset.dtype.itemsize
+    if n == 0 or row_bytes == 0:
+        return None, "empty"
+    if dset.dtype.hasobject:
+        return None, "variable-length data"
+    plist = dset.id.get_create_plist()
+    layout = plist.get_layout()
+    if layout == h5d.CONTIGUOUS:
+        if plist.get_external_count():
+            return None, "external storage"
+        offset = dset.id.get_offset()
+        if offset is None:
+            return None, "not allocated"
+        return [Segment(0, n, int(offset))], ""
+    if layout != h5d.CHUNKED:
+        return None, "compact or virtual layout"
+    if plist.get_nfilters():
+        return None, "filtered (compressed or checksummed)"
+    chunk_rows = int(dset.chunks[0])
+    if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]):
+        return None, "chunks do not span whole rows"
+    chunk_bytes = chunk_rows * row_bytes
+    chunks = _chunk_offsets(dset)
+    if chunks is None:
+        return None, "too many chunks to list"
+    if len(chunks) != -(-n // chunk_rows):
+        return None, "not every chunk is allocated"
+    chunks.sort()
+    segs: List[Segment] = []
+    for row, offset, size in chunks:
+        if offset < 0 or size != chunk_bytes:
+            return None, "a chunk is not stored plainly"
+        rows = min(chunk_rows, n - row)
+        last = segs[-1] if segs else None
+        if last is not None and last.row + last.rows == row and last.offset + last.rows * row_bytes == offset:
+            segs[-1] = Segment(last.row, last.rows + rows, last.offset)
+        else:
+            segs.append(Segment(row, rows, offset))
+    return segs, ""
+
+
+class MappedKey:
+    """One dataset's rows as views of a file map, grouped so that one ``numpy.take`` serves
+    every segment of a group: segments whose byte offsets agree modulo the row size lie on
+    one grid of rows (a ``(rows, row_bytes)`` ``uint8`` view spanning them all)."""
+
+    def __init__(self, segs: Sequence[Segment], row_bytes: int, mm: mmap.mmap) -> None:
+        self.row_bytes = row_bytes
+        groups: dict = {}
+        for s in segs:
+            groups.setdefault(s.offset % row_bytes, []).append(s)
+        self.views: List[np.ndarray] = []
+        seg_group, seg_vrow = {}, {}
+        for members in groups.values():
+            start = min(s.offset for s in members)
+            end = max(s.offset + s.rows * row_bytes for s in members)
+            if end > len(mm):
+                raise ValueError(f"dataset bytes end at {end}, past the end of the file ({len(mm)})")
+            g = len(self.views)
+            self.views.append(np.ndarray(((end - start) // row_bytes, row_bytes), np.uint8, buffer=mm, offset=start))
+            for s in members:
+                seg_group[s.row] = g
+                seg_vrow[s.row] = (s.offset - start) // row_bytes
+        order = sorted(seg_group)
+        self.seg_row = np.array(order, np.int64)
+        self.seg_group = np.array([seg_group[r] for r in order], np.int64)
+        self.seg_vrow = np.array([seg_vrow[r] for r in order], np.int64)
+
+    def locate(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """For rows of the dataset: (group of each, row within that group's view)."""
+        if len(self.seg_row) == 1:
+            return np.zeros(len(rows), np.int64), rows + self.seg_vrow[0]
+        s = np.searchsorted(self.seg_row, rows, side="right") - 1
+        return self.seg_group[s], self.seg_vrow[s] + (rows - self.seg_row[s])
+
+    def release(self) -> None:
+        self.views = []
+
+
+def map_dataset(dset: h5py.Dataset, mm: mmap.mmap) -> Tuple[Optional[MappedKey], str]:
+    """Map ``dset`` (of the file mapped as ``mm``), checked against HDF5 reads of a few rows."""
+    try:
+        segs, why = segments_of(dset)
+        if segs is None:
+            return None, why
+        row_bytes = int(np.prod(dset.shape[1:], dtype=np.int64)) * dset.dtype.itemsize
+        mk = MappedKey(segs, row_bytes, mm)  # offsets are from the start of the file (user block included)
+    except (ValueError, TypeError, RuntimeError, OSError, AttributeError) as exc:
+        return None, f"cannot map: {exc}"
+    n = int(dset.shape[0])
+    probe = sorted({0, n - 1, n // 2} | {s.row for s in segs[:2]} | {s.row + s.rows - 1 for s in segs[-2:]})
+    ids = np.array(probe, np.int64)
+    group, vrow = mk.locate(ids)
+    for r, g, v in zip(probe, group, vrow):
+        expect = np.ascontiguousarray(dset[r]).view(np.uint8).reshape(-1)
+        if not np.array_equal(mk.views[int(g)][int(v)], expect):
+            mk.release()
+            return None, f"mapped bytes of row {r} differ from HDF5's"
+    return mk, ""
+
+
+def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = row rows[i] of dataset maps[which[i]]``, as bytes; ``out`` is C-contiguous.
+
+    One ``numpy.take`` (it releases the GIL) per stretch of consecutive samples that lie in
+    the same view: a window of samples sorted within each batch needs only a few.
+    """
+    n = len(rows)
+    if n == 0:
+        return
+    dst = out.reshape(n, -1).view(np.uint8)
+    if len(maps) == 1:
+        group, vrow = maps[0].locate(rows)
+        views = maps[0].views
+    else:
+        group = np.empty(n, np.int64)
+        vrow = np.empty(n, np.int64)
+        views = []
+        for k, mk in enumerate(maps):
+            sel = np.flatnonzero(which == k)
+            if len(sel):
+                g, v = mk.locate(rows[sel])
+                group[sel] = g + len(views)
+                vrow[sel] = v
+            views = views + mk.views
+    if len(views) == 1 or group.min() == group.max():
+        np.take(views[int(group[0])], vrow, axis=0, out=dst, mode="clip")  # indices are valid
+        return
+    cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
+    starts = np.concatenate(([0], cuts))
+    stops = np.concatenate((cuts, [n]))
+    for a, b in zip(starts.tolist(), stops.tolist()):
+        np.take(views[int(group[a])], vrow[a:b], axis=0, out=dst[a:b], mode="clip")

@@ -1,0 +1,130 @@
+"""Uncompressed keys read from a memory map of the file: the same bytes as HDF5 reads, for
+every layout the mapper accepts, and a clean fall-back to HDF5 for the ones it refuses."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.data import HDF5Dataset
+from hpctrain.data.mapped import gather, map_dataset, open_map, segments_of
+
+
+def rows(n, start=0, features=3, dtype=np.float32):
+    g = np.arange(start, start + n, dtype=np.int64)
+    return (g[:, None] * 10 + np.arange(features)).astype(dtype), g
+
+
+def interleaved(path, n=20000, chunk=256, slab=2560, userblock=0, features=7, start=0):
+    """x and y written slab by slab, as incremental writers do: each key's chunks then lie
+    in several separate stretches of the file (several segments; the chunk index's nodes
+    sit between them)."""
+    x, y = rows(n, start, features)
+    kw = {"userblock_size": userblock} if userblock else {}
+    with h5py.File(path, "w", **kw) as f:
+        dx = f.create_dataset("x", shape=x.shape, dtype=x.dtype, chunks=(chunk, x.shape[1]))
+        dy = f.create_dataset("y", shape=y.shape, dtype=y.dtype, chunks=(chunk,))
+        for lo in range(0, n, slab):
+            dx[lo:lo + slab] = x[lo:lo + slab]
+            dy[lo:lo + slab] = y[lo:lo + slab]
+    return str(path)
+
+
+def check_mapping(path, key):
+    with h5py.File(path, "r") as f:
+        d = f[key]
+        mm = open_map(path)
+        mk, why = map_dataset(d, mm)
+        assert mk is not None, why
+        ids = np.random.default_rng(0).permutation(d.shape[0])
+        out = np.empty((len(ids),) + d.shape[1:], d.dtype)
+        gather([mk], np.zeros(len(ids), np.int64), ids, out)
+        assert np.array_equal(out, d[...][ids])
+        segs = segments_of(d)[0]
+        mk.release()
+        return segs
+
+
+def test_layouts_that_map(tmp_path):
+    p = str(tmp_path / "a.h5")
+    x, y = rows(300)
+    with h5py.File(p, "w") as f:
+        f.create_dataset("contig", data=x)  # contiguous layout
+        f.create_dataset("chunked", data=x, chunks=(7, 3))  # last chunk partial
+        f.create_dataset("big_endian", data=x.astype(">f8"), chunks=(50, 3))
+        f.create_dataset("labels", data=y, chunks=(64,))
+        f.create_dataset("images", data=np.arange(300 * 2 * 4 * 4, dtype=np.uint8).reshape(300, 2, 4, 4),
+                         chunks=(9, 2, 4, 4))
+    for key in ("contig", "chunked", "big_endian", "labels", "images"):
+        assert len(check_mapping(p, key)) == 1  # written in one go: one stretch of the file
+    q = interleaved(tmp_path / "i.h5")
+    assert len(check_mapping(q, "x")) == 2 and len(check_mapping(q, "y")) == 2
+    u = interleaved(tmp_path / "u.h5", userblock=512)  # offsets count the user block
+    check_mapping(u, "x")
+    c = str(tmp_path / "uc.h5")
+    with h5py.File(c, "w", userblock_size=1024) as f:
+        f.create_dataset("x", data=rows(50)[0])
+    check_mapping(c, "x")
+
+
+def test_layouts_that_do_not_map(tmp_path):
+    p = str(tmp_path / "b.h5")
+    x, _ = rows(100)
+    with h5py.File(p, "w") as f:
+        f.create_dataset("lzf", data=x, chunks=(10, 3), compression="lzf")
+        f.create_dataset("checksummed", data=x, chunks=(10, 3), fletcher32=True)
+        f.create_dataset("split_rows", data=x, chunks=(10, 1))
+        f.create_dataset("partial", shape=(100, 3), dtype=np.float32, chunks=(10, 3))[:20] = x[:20]
+        f.create_dataset("unwritten", shape=(100, 3), dtype=np.float32)
+    with h5py.File(p, "r") as f:
+        mm = open_map(p)
+        for key, why in [("lzf", "filtered"), ("checksummed", "filtered"), ("split_rows", "whole rows"),
+                         ("partial", "allocated"), ("unwritten", "allocated")]:
+            mk, reason = map_dataset(f[key], mm)
+            assert mk is None and why in reason, (key, reason)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("policy", ["contiguous", "strided"])
+def test_loader_same_batches_mapped_or_not(tmp_path, shuffle, policy):
+    paths = [interleaved(tmp_path / "p0.h5")]  # 2 segments in 2 views per key
+    x, y = rows(130, start=20000, features=7)
+    with h5py.File(tmp_path / "p1.h5", "w") as f:  # one key mapped, one compressed
+        f.create_dataset("x", data=x, chunks=(16, 7))
+        f.create_dataset("y", data=y, chunks=(16,), compression="lzf")
+    paths.append(str(tmp_path / "p1.h5"))
+    paths.append(interleaved(tmp_path / "p2.h5", 3000, chunk=128, slab=1000, start=20130))
+    for rank in range(2):
+        kw = dict(rank=rank, world_size=2, seed=3, shuffle=shuffle, policy=policy, window_bytes=20000,
+                  block_bytes=4000, drop_last=False, prefetch=1)
+        mapped = HDF5Dataset(paths, ["x", "y"], 12, **kw)
+        plain = HDF5Dataset(paths, ["x", "y"], 12, memory_map=False, **kw)
+        mapped.set_epoch(2)
+        plain.set_epoch(2)
+        n = 0
+        for a, b in zip(mapped, plain):
+            for k in ("x", "y", "index", "mask"):
+                assert torch.equal(a[k], b[k]), k
+            assert torch.equal(a["y"], a["index"])
+            assert torch.equal(a["x"][:, 0], (a["index"] * 10).float())
+            n += 1
+        assert n == len(mapped) == len(plain)
+        for i, m in mapped._maps.items():  # the files this rank touched
+            assert m["x"] is not None and (m["y"] is None) == (i == 1)
+        if 0 in mapped._maps:
+            assert len(mapped._maps[0]["x"].views) == 2
+        assert all(m[k] is None for m in plain._maps.values() for k in m)
+        mapped.close()
+        plain.close()
+
+
+def test_batches_outlive_close(tmp_path):
+    p = interleaved(tmp_path / "c.h5", 3000, chunk=128, slab=1000)
+    ds = HDF5Dataset(p, ["x", "y"], 10, rank=0, world_size=1)
+    kept = list(ds)
+    ds.close()  # unmaps the file: the batches hold copies, never views of the map
+    assert ds._mmaps == {}
+    for b in kept:
+        assert torch.equal(b["x"][:, 0], (b["index"] * 10).float())
+    assert len(list(ds)) == len(ds)  # reopens and maps again
