@@ -4,28 +4,31 @@ import json
 from mpirun import python_argv, run_mpi
 
 
-def test_bench_train_two_ranks(tmp_path):
+def test_bench_train_one_and_two_ranks(tmp_path):
     out = tmp_path / "train.json"
     result = run_mpi(2, python_argv("-m", "hpctrain.cli.main", "bench", "train", "--models", "cnn", "--batch", "8",
-                                    "--steps", "2", "--warmup", "1",
+                                    "--steps", "2", "--warmup", "1", "--repeats", "2",
                                     "--competitors", "plain,hpctrain,hpctrain-sync,ddp-gloo",
                                     "--json", str(out)), timeout=300)
     assert result.returncode == 0, result.stdout[-5000:]
-    assert "hpctrain/DDP-Gloo step ratio" in result.stdout and "hpctrain/plain step ratio" in result.stdout
-    records = json.loads(out.read_text())
-    assert {r["competitor"] for r in records} == {"plain", "hpctrain", "hpctrain-sync", "ddp-gloo"}
-    hp = next(r for r in records if r["competitor"] == "hpctrain")
-    assert hp["ranks"] == 2 and hp["step_s"] > 0 and hp["comm_s"] > 0 and "wait_s" in hp
+    assert "hpctrain / DDP-Gloo step (2 rank(s))" in result.stdout
+    assert "hpctrain 1-rank overhead (1 rank(s))" in result.stdout
+    assert "hpctrain scaling efficiency (2 vs 1 rank(s))" in result.stdout
+    assert "torch threads per rank: 1" in result.stdout
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["competitor"], r["ranks"]) for r in rows} == {
+        (c, n) for c in ("plain", "hpctrain", "hpctrain-sync", "ddp-gloo") for n in (1, 2)}
+    hp = next(r for r in rows if r["competitor"] == "hpctrain" and r["ranks"] == 2)
+    assert hp["step_s"] > 0 and hp["comm_s"] > 0 and "wait_s" in hp and hp["repeats"] == 2
+    assert hp["threads"] == 1 and hp["spread_s"] >= 0 and hp["shared_buckets"] is True
+    solo = next(r for r in rows if r["competitor"] == "hpctrain" and r["ranks"] == 1)
+    assert solo["comm_s"] is None and solo["samples_per_s"] > 0
+    assert "malloc" in data["environment"]
 
 
-def test_print_table_ratios():
-    from io import StringIO
-
-    from hpctrain.bench.train import print_table
-
-    buf = StringIO()
-    print_table([{"model": "mlp", "competitor": "hpctrain", "step_s": 0.08, "samples_per_s": 1600, "compute_s": 0.07,
-                  "wait_s": 0.01, "comm_s": 0.03},
-                 {"model": "mlp", "competitor": "ddp-gloo", "step_s": 0.1, "samples_per_s": 1280}], 2, out=buf)
-    text = buf.getvalue()
-    assert "hpctrain/DDP-Gloo step ratio 0.800" in text and "80.0" in text
+def test_bench_train_rejects_bad_ranks():
+    result = run_mpi(2, python_argv("-m", "hpctrain.cli.main", "bench", "train", "--models", "cnn", "--ranks", "3"),
+                     timeout=120)
+    assert result.returncode != 0
+    assert "each count must be 1 or 2" in result.stdout

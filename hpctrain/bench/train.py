@@ -1,61 +1,209 @@
 """Training-step benchmark: hpctrain's DistributedOptimizer against a plain PyTorch loop,
-DDP over Gloo (torch.distributed bootstrapped through MPI) and Horovod (when importable), in
-one run, at the launched number of ranks.
+DDP over Gloo (torch.distributed bootstrapped through MPI) and Horovod (when importable), at
+1 rank and at the launched number of ranks, in one run.
 
 Models: an MLP 1024-2048-2048-2048-10 (10.5M parameters, 42 MB of fp32 gradients) and a small
-CNN (CIFAR-sized input). Synthetic data generated once (no loader cost), SGD with momentum,
-``--threads`` torch threads per rank. Each competitor runs ``--warmup`` steps, then ``--steps``
-timed ones; the table shows the median step time (slowest rank), samples/s over all ranks,
-and the split of an hpctrain step:
+CNN (CIFAR-sized input). Same synthetic batch per rank for every competitor (generated once, no
+loader cost), SGD with momentum, ``--threads`` torch threads per rank for every competitor, the
+same malloc settings for all (one process runs them all).
 
-- compute: forward + backward + optimizer update (the hooks start communication inside backward);
-- wait: time ``step()`` blocked on communication that backward did not hide;
-  (``hpctrain`` uses the default overlap choice; ``hpctrain-overlap`` forces overlap during
-  backward, ``hpctrain-sync`` starts every bucket in ``step()``, so its wait ≈ comm)
-- comm: the same buckets all-reduced alone (no compute running), median — what communication
-  would cost if nothing overlapped it.
-
-For DDP and Horovod only step and samples/s are measured (their communication runs inside
-their own machinery); ``plain`` is the same loop without any communication (each rank alone),
-so at 1 rank ``hpctrain / plain`` is hpctrain's overhead. Horovod runs last, in its own phase,
+Phases. 1-rank rows run on rank 0 alone (a 1-rank group / process set / Horovod world) while
+the other ranks wait in a barrier; N-rank rows run on every rank. Each (rank count, model,
+competitor) runs ``--repeats`` times, ``--warmup`` untimed steps then ``--steps`` timed ones;
+the order of the competitors rotates between repeats. Horovod runs last, in its own phase,
 because its background thread slows other MPI traffic while it lives.
 
+Columns (per row: the median over repeats of each repeat's median step of the slowest rank):
+
+- step ms, spread (max - min of the repeat medians, ms), samples/s over all ranks;
+- scaling: samples/s / (ranks x samples/s of the plain loop at 1 rank);
+- compute: the step minus wait; wait: time ``synchronize()`` blocked on communication that
+  backward did not hide (hpctrain, Horovod; DDP waits inside ``backward()``, not separable);
+- comm: the same gradients all-reduced by that library alone, nothing else running (N ranks);
+- faults: minor page faults per step (glibc malloc returning memory; ~2 us each).
+
+``hpctrain`` uses the default settings; ``hpctrain-overlap`` forces overlap during backward,
+``hpctrain-sync`` starts every bucket in ``step()``. The closing lines give the ratios the
+targets of issues #3 and #10 are stated in.
+
   hpctrain launch -n 2 -- hpctrain bench train
-  mpiexec -n 2 hpctrain bench train --models mlp --steps 30 --json train.json
+  hpctrain launch -n 2 -- hpctrain bench train --models mlp --repeats 5 --json train.json
+  HPCTRAIN_MALLOC_TUNING=0 hpctrain launch -n 2 -- hpctrain bench train   # glibc malloc defaults
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import resource
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from hpctrain import comm
 
 COMPETITORS = ("plain", "hpctrain", "hpctrain-overlap", "hpctrain-sync", "ddp-gloo", "horovod")
+DEFAULT_COMPETITORS = ("plain", "hpctrain", "ddp-gloo", "horovod")
 MODELS = ("mlp", "cnn")
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb, for its comm-alone measurement
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``hpctrain bench train``."""
     p.add_argument("--models", default="mlp,cnn", help="comma list of: mlp (10.5M params), cnn (small)")
-    p.add_argument("--competitors", default=",".join(COMPETITORS),
+    p.add_argument("--competitors", default=",".join(DEFAULT_COMPETITORS),
                    help="comma list of: plain, hpctrain (default settings), hpctrain-overlap (forced overlap), "
                         "hpctrain-sync (no overlap: all buckets start in step()), ddp-gloo, horovod (skipped when "
-                        "not importable)")
+                        f"not importable). Default: {','.join(DEFAULT_COMPETITORS)}")
+    p.add_argument("--ranks", default=None,
+                   help="comma list of rank counts to measure, each 1 or the launched size (default: 1 and the "
+                        "launched size)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step (default 64)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per competitor (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per repeat (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before each repeat (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per row, order rotated (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank, every competitor (default 1)")
     p.add_argument("--fusion-threshold", default=None,
                    help="hpctrain bucket size in bytes (default: HPCTRAIN_FUSION_THRESHOLD or 4 MiB)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows and the environment as JSON")
 
 
+# ----------------------------------------------------------------------------- plan (pure)
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One timed run: ``repeat`` of (``ranks``, ``model``, ``competitor``)."""
+
+    ranks: int
+    model: str
+    competitor: str
+    repeat: int
+
+
+def parse_list(text: str, valid: Sequence[str], what: str) -> List[str]:
+    """``"a,b"`` -> ``["a", "b"]``, every item checked against ``valid``."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    bad = [t for t in items if t not in valid]
+    if bad or not items:
+        raise ValueError(f"bench train: {what} {bad or text!r} not understood; valid: {', '.join(valid)}")
+    return list(dict.fromkeys(items))
+
+
+def parse_ranks(text: Optional[str], size: int) -> List[int]:
+    """Rank counts to measure: each 1 or ``size`` (the launched size); default both."""
+    if text is None:
+        return sorted({1, size})
+    try:
+        counts = sorted({int(t) for t in str(text).split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"bench train: --ranks {text!r}: expected a comma list of integers, e.g. 1,{size}") from None
+    bad = [c for c in counts if c not in (1, size)]
+    if bad or not counts:
+        raise ValueError(f"bench train: --ranks {text!r}: this run has {size} rank(s), so each count must be 1 or "
+                         f"{size}.\nHINT: launch with more ranks (hpctrain launch -n N -- hpctrain bench train)")
+    return counts
+
+
+def plan_phases(rank_counts: Sequence[int], models: Sequence[str], competitors: Sequence[str],
+                repeats: int) -> List[Phase]:
+    """The run order: per rank count, ``repeats`` rounds over every (model, competitor), each
+    round rotated by one so that no competitor always runs first or last on a drifting machine;
+    Horovod after everything else (its background thread slows other MPI traffic)."""
+    if repeats < 1:
+        raise ValueError(f"bench train: --repeats {repeats}: expected >= 1")
+    out: List[Phase] = []
+    for late in (False, True):
+        for ranks in rank_counts:
+            pairs = [(m, c) for m in models for c in competitors if (c == "horovod") == late]
+            for r in range(repeats):
+                k = r % len(pairs) if pairs else 0
+                out.extend(Phase(ranks, m, c, r) for m, c in pairs[k:] + pairs[:k])
+    return out
+
+
+def combine(per_rank: Sequence[Dict[str, List[float]]]) -> Dict[str, float]:
+    """One repeat's row from every participating rank's per-step lists: each rank's median,
+    then the slowest rank (the step of a synchronous job is its slowest rank's)."""
+    out: Dict[str, float] = {}
+    for key in per_rank[0]:
+        out[key] = max(statistics.median(r[key]) for r in per_rank if r.get(key))
+    return out
+
+
+def summarize_repeats(repeats: Sequence[Dict[str, float]]) -> Dict[str, float]:
+    """Median over repeats of each field, and the spread (max - min) of the step."""
+    out = {key: statistics.median(r[key] for r in repeats) for key in repeats[0]}
+    steps = [r["step_s"] for r in repeats]
+    out["spread_s"] = max(steps) - min(steps)
+    out["repeats"] = len(repeats)
+    return out
+
+
+TARGETS = (
+    # (label, numerator row, denominator row, kind, limit, issue)
+    ("hpctrain / DDP-Gloo step", ("hpctrain", "N"), ("ddp-gloo", "N"), "max", 0.65, "#10 (#3: <= 0.9)"),
+    ("hpctrain / Horovod step", ("hpctrain", "N"), ("horovod", "N"), "max", 0.55, "#10 (#3: <= 0.5)"),
+    ("hpctrain scaling efficiency", ("hpctrain", "N"), ("plain", 1), "scaling", 0.90, "#10"),
+    ("hpctrain 1-rank overhead", ("hpctrain", 1), ("plain", 1), "overhead", 0.03, "#3, #10"),
+)
+
+
+def target_lines(records: Sequence[Dict[str, Any]], size: int) -> List[str]:
+    """The ratios the issues' targets are stated in, per model, with met / NOT met."""
+    by = {(r["model"], r["competitor"], r["ranks"]): r for r in records}
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in records):
+        for label, (num_c, num_n), (den_c, den_n), kind, limit, issue in TARGETS:
+            num_n = size if num_n == "N" else num_n
+            den_n = size if den_n == "N" else den_n
+            if (kind in ("max", "scaling") and size == 1) or (model, num_c, num_n) not in by \
+                    or (model, den_c, den_n) not in by:
+                continue
+            num, den = by[(model, num_c, num_n)], by[(model, den_c, den_n)]
+            if kind == "max":
+                value = num["step_s"] / den["step_s"]
+                ok, text, want = value <= limit, f"{value:.3f}", f"<= {limit}"
+            elif kind == "scaling":
+                value = num["samples_per_s"] / (num_n * den["samples_per_s"])
+                ok, text, want = value >= limit, f"{value * 100:.1f}%", f">= {limit * 100:.0f}%"
+            else:
+                value = num["step_s"] / den["step_s"] - 1.0
+                ok, text, want = value <= limit, f"{value * 100:+.1f}%", f"<= {limit * 100:.0f}%"
+            where = f"{num_n} rank(s)" if num_n == den_n else f"{num_n} vs {den_n} rank(s)"
+            lines.append(f"  {model}: {label} ({where}) {text}  target {want} {issue}: "
+                         f"{'met' if ok else 'NOT met'}")
+    return lines
+
+
+def print_table(records: Sequence[Dict[str, Any]], size: int, env: Optional[Dict[str, Any]] = None,
+                out: Any = sys.stdout) -> None:
+    """The table (one row per rank count, model, competitor) and the target ratios."""
+    print(f"\nhpctrain bench train: rows at 1 rank (rank 0 alone) and {size} ranks; median over repeats of the "
+          "median step of the slowest rank", file=out)
+    if env:
+        for key, value in env.items():
+            print(f"  {key}: {value}", file=out)
+    plain1 = {r["model"]: r["samples_per_s"] for r in records if r["competitor"] == "plain" and r["ranks"] == 1}
+    head = (f"{'ranks':>5} {'model':5} {'competitor':16} {'step ms':>8} {'spread':>7} {'samples/s':>9} "
+            f"{'scaling':>7} {'compute':>8} {'wait':>7} {'comm':>7} {'faults':>7}")
+    print(head, file=out)
+    for r in records:
+        def ms(key: str) -> str:
+            return f"{r[key] * 1e3:.1f}" if r.get(key) is not None else "-"
+        scaling = (f"{r['samples_per_s'] / (r['ranks'] * plain1[r['model']]) * 100:.0f}%"
+                   if r["model"] in plain1 else "-")
+        faults = f"{r['faults']:.0f}" if r.get("faults") is not None else "-"
+        print(f"{r['ranks']:>5} {r['model']:5} {r['competitor']:16} {ms('step_s'):>8} {ms('spread_s'):>7} "
+              f"{r['samples_per_s']:>9.0f} {scaling:>7} {ms('compute_s'):>8} {ms('wait_s'):>7} {ms('comm_s'):>7} "
+              f"{faults:>7}", file=out)
+    for line in target_lines(records, size):
+        print(line, file=out)
+
+
+# ----------------------------------------------------------------------------- models, loop
 def build_model(kind: str) -> torch.nn.Module:
     """The benchmark models, identically initialized on every rank."""
     torch.manual_seed(0)
@@ -68,30 +216,31 @@ def build_model(kind: str) -> torch.nn.Module:
             torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
             torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
             torch.nn.Flatten(), torch.nn.Linear(64 * 8 * 8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    raise SystemExit(f"bench train: unknown model {kind!r}; valid: {', '.join(MODELS)}")
+    raise ValueError(f"bench train: unknown model {kind!r}; valid: {', '.join(MODELS)}")
 
 
-def make_batch(kind: str, batch: int) -> tuple:
+def make_batch(kind: str, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's synthetic batch (the same for every competitor)."""
     g = torch.Generator().manual_seed(1234 + comm.rank())
     x = torch.randn(batch, 1024, generator=g) if kind == "mlp" else torch.randn(batch, 3, 32, 32, generator=g)
     return x, torch.randint(0, 10, (batch,), generator=g)
 
 
-def _slowest(values: List[float]) -> float:
-    """Median of this rank's values, then the maximum over ranks."""
-    med = statistics.median(values) if values else float("nan")
-    return float(comm.allreduce(torch.tensor([med], dtype=torch.float64), op="max")[0])
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def run_loop(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int,
-             split: bool) -> Dict[str, float]:
-    """Time ``steps`` training steps after ``warmup``; with ``split``, time the parts of a
-    DistributedOptimizer step (synchronize separately from the update)."""
+             split: bool) -> Dict[str, List[float]]:
+    """Per-step seconds of ``steps`` training steps after ``warmup``: total, compute and (with
+    ``split``: an optimizer with ``synchronize()``/``skip_synchronize()``) the wait for
+    communication; minor page faults per step."""
     loss_fn = torch.nn.CrossEntropyLoss()
-    totals: List[float] = []
-    computes: List[float] = []
-    waits: List[float] = []
+    out: Dict[str, List[float]] = {"step_s": [], "compute_s": [], "faults": []}
+    if split:
+        out["wait_s"] = []
     for i in range(warmup + steps):
+        f0 = _minflt()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss_fn(model(x), y).backward()
@@ -106,72 +255,128 @@ def run_loop(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
             t2 = t1
         t3 = time.perf_counter()
         if i >= warmup:
-            totals.append(t3 - t0)
-            computes.append((t1 - t0) + (t3 - t2))
-            waits.append(t2 - t1)
-    out = {"step_s": _slowest(totals)}
-    if split:
-        out["compute_s"] = _slowest(computes)
-        out["wait_s"] = _slowest(waits)
+            out["step_s"].append(t3 - t0)
+            out["compute_s"].append((t1 - t0) + (t3 - t2))
+            out["faults"].append(float(_minflt() - f0))
+            if split:
+                out["wait_s"].append(t2 - t1)
     return out
 
 
-def comm_alone(opt: Any, reps: int = 5) -> float:
-    """Median seconds to all-reduce the optimizer's buckets with nothing else running."""
+def _median_time(fn: Callable[[], None], reps: int = 5) -> float:
     times = []
-    comm.barrier()
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        handles = [comm.allreduce_async(buf, op="avg", inplace=True) for buf in opt.bucket_buffers]
-        for h in handles:
-            h.wait()
+        fn()
         times.append(time.perf_counter() - t0)
-    return _slowest(times[1:])
+    return statistics.median(times[1:])
 
 
-def bench_plain(kind: str, args: argparse.Namespace) -> Dict[str, float]:
-    model = build_model(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = make_batch(kind, args.batch)
-    comm.barrier()
-    return run_loop(model, opt, x, y, args.steps, args.warmup, split=False)
+# ----------------------------------------------------------------------------- competitors
+class Runner:
+    """A competitor's model, optimizer and batch, built once and timed repeatedly."""
+
+    split = False  # the optimizer has synchronize() / skip_synchronize(): wait is measured
+    communicates = True
+
+    def __init__(self, kind: str, args: argparse.Namespace) -> None:
+        self.model = build_model(kind)
+        self.x, self.y = make_batch(kind, args.batch)
+        self.opt: Any = None
+        self.info: Dict[str, Any] = {}
+
+    def time(self, steps: int, warmup: int) -> Dict[str, List[float]]:
+        out = run_loop(self.model, self.opt, self.x, self.y, steps, warmup, self.split)
+        if not self.split and self.communicates:
+            del out["compute_s"]  # DDP: communication runs inside backward(), not separable here
+        out["threads"] = [float(torch.get_num_threads())]
+        return out
+
+    def comm_alone(self) -> Optional[float]:
+        """Seconds to all-reduce this competitor's gradients with nothing else running."""
+        return None
+
+    def close(self) -> None:
+        pass
 
 
-def bench_hpctrain(kind: str, args: argparse.Namespace, overlap: Optional[bool] = None) -> Dict[str, float]:
-    import hpctrain.torch as hvd
+class Plain(Runner):
+    communicates = False
 
-    model = build_model(kind)
-    threshold = None
-    if args.fusion_threshold is not None:
+    def __init__(self, kind: str, args: argparse.Namespace, group: Any) -> None:
+        super().__init__(kind, args)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+
+
+class Hpctrain(Runner):
+    split = True
+
+    def __init__(self, kind: str, args: argparse.Namespace, group: Any, overlap: Optional[bool] = None) -> None:
+        import hpctrain.torch as hvd
         from hpctrain.torch.buckets import parse_bytes
 
-        threshold = parse_bytes(args.fusion_threshold)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   named_parameters=model.named_parameters(), fusion_threshold=threshold,
-                                   overlap=overlap)
-    x, y = make_batch(kind, args.batch)
-    comm.barrier()
-    out = run_loop(model, opt, x, y, args.steps, args.warmup, split=True)
-    out["comm_s"] = comm_alone(opt)
-    out["buckets"] = len(opt.plan.buckets)
-    out["overlap"] = opt._overlap
-    opt.remove_hooks()
-    return out
+        super().__init__(kind, args)
+        threshold = None if args.fusion_threshold is None else parse_bytes(args.fusion_threshold)
+        self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                                            named_parameters=self.model.named_parameters(),
+                                            fusion_threshold=threshold, overlap=overlap, process_set=group)
+        self.info = {"buckets": len(self.opt.plan.buckets), "overlap": self.opt._overlap,
+                     "shared_buckets": self.opt.shared_buckets}
+
+    def comm_alone(self) -> Optional[float]:
+        opt = self.opt
+        ops = opt.bucket_ops
+
+        def reduce_all() -> None:
+            works = [opt._backend.allreduce_async(buf, op) for buf, op in zip(opt.bucket_buffers, ops)]
+            for w in works:
+                w.wait()
+        return _median_time(reduce_all)
+
+    def close(self) -> None:
+        self.opt.remove_hooks()
 
 
-def bench_ddp(kind: str, args: argparse.Namespace) -> Optional[Dict[str, float]]:
-    import torch.distributed as dist
+class DDPGloo(Runner):
+    def __init__(self, kind: str, args: argparse.Namespace, group: Any) -> None:
+        super().__init__(kind, args)
+        self.model = torch.nn.parallel.DistributedDataParallel(self.model, process_group=group)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.group = group
 
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return None
-    from hpctrain.torch.backends import init_torch_distributed
+    def comm_alone(self) -> Optional[float]:
+        import torch.distributed as dist
 
-    init_torch_distributed("gloo")
-    model = torch.nn.parallel.DistributedDataParallel(build_model(kind))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = make_batch(kind, args.batch)
-    comm.barrier()
-    return run_loop(model, opt, x, y, args.steps, args.warmup, split=False)
+        numel = sum(p.numel() for p in self.model.parameters())
+        flat = torch.zeros(numel)
+        chunk = DDP_BUCKET_BYTES // 4
+        parts = [flat[i:i + chunk] for i in range(0, numel, chunk)]
+
+        def reduce_all() -> None:
+            works = [dist.all_reduce(t, async_op=True, group=self.group) for t in parts]
+            for w in works:
+                w.wait()
+        return _median_time(reduce_all)
+
+
+class Horovod(Runner):
+    split = True
+
+    def __init__(self, kind: str, args: argparse.Namespace, hvd: Any) -> None:
+        super().__init__(kind, args)
+        self.hvd = hvd
+        self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                                            named_parameters=self.model.named_parameters())
+
+    def comm_alone(self) -> Optional[float]:
+        hvd = self.hvd
+        grads = [torch.zeros_like(p) for p in self.model.parameters()]
+
+        def reduce_all() -> None:
+            handles = [hvd.allreduce_async_(g, name=f"bench.comm.{i}") for i, g in enumerate(grads)]
+            for h in handles:
+                hvd.synchronize(h)
+        return _median_time(reduce_all)
 
 
 def horovod_module() -> Any:
@@ -183,89 +388,151 @@ def horovod_module() -> Any:
     return hvd
 
 
-def bench_horovod(kind: str, args: argparse.Namespace, hvd: Any) -> Dict[str, float]:
-    model = build_model(kind)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    x, y = make_batch(kind, args.batch)
-    hvd.allreduce(torch.zeros(1), name="bench.barrier")
-    return run_loop(model, opt, x, y, args.steps, args.warmup, split=False)
+def environment(threads: int) -> Dict[str, Any]:
+    """What every competitor ran under (one process runs them all, so it is the same for each)."""
+    from hpctrain import malloc_tuning
+
+    env = os.environ
+    set_in_env = [f"{k}={env[k]}" for k in malloc_tuning.ENV_KEYS if k in env]
+    if malloc_tuning.tune_this_process():  # what `hpctrain` commands do at start; idempotent
+        malloc = "thresholds 4 GiB (mallopt by hpctrain; HPCTRAIN_MALLOC_TUNING=0 for glibc's defaults)"
+    elif set_in_env:
+        malloc = f"{', '.join(set_in_env)} (environment, read by glibc at start)"
+    else:
+        malloc = "glibc defaults (HPCTRAIN_MALLOC_TUNING=0)"
+    return {
+        "ranks launched": comm.size(),
+        "torch threads per rank": f"{torch.get_num_threads()} (--threads {threads}; OMP_NUM_THREADS="
+                                  f"{env.get('OMP_NUM_THREADS', 'unset')}, MKL_NUM_THREADS="
+                                  f"{env.get('MKL_NUM_THREADS', 'unset')})",
+        "malloc": malloc,
+        "collective checks": "on" if comm.checks_enabled() else "off (HPCTRAIN_CHECK_COLLECTIVES=0)",
+        "torch": f"{torch.__version__}, BLAS {'MKL' if torch.backends.mkl.is_available() else 'other'}",
+        "load average at start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+    }
 
 
-def print_table(records: List[Dict[str, Any]], size: int, out: Any = sys.stdout) -> None:
-    """The table, one row per (model, competitor), and the ratios the targets are stated in."""
-    print(f"\nhpctrain bench train: {size} rank(s), median step of the slowest rank", file=out)
-    print(f"{'model':6} {'competitor':16} {'step ms':>9} {'samples/s':>10} {'compute ms':>11} {'wait ms':>8} "
-          f"{'comm ms':>8}", file=out)
-    for r in records:
-        def ms(key: str) -> str:
-            return f"{r[key] * 1e3:.1f}" if key in r else "-"
-        print(f"{r['model']:6} {r['competitor']:16} {ms('step_s'):>9} {r['samples_per_s']:>10.0f} "
-              f"{ms('compute_s'):>11} {ms('wait_s'):>8} {ms('comm_s'):>8}", file=out)
-    by = {(r["model"], r["competitor"]): r["step_s"] for r in records}
-    for model in dict.fromkeys(r["model"] for r in records):
-        mine = by.get((model, "hpctrain"))
-        if mine is None:
-            continue
-        for other, label in (("ddp-gloo", "hpctrain/DDP-Gloo"), ("horovod", "hpctrain/Horovod"),
-                             ("plain", "hpctrain/plain"), ("hpctrain-overlap", "hpctrain/hpctrain-overlap"),
-                             ("hpctrain-sync", "hpctrain/hpctrain-sync")):
-            if (model, other) in by:
-                print(f"  {model}: {label} step ratio {mine / by[(model, other)]:.3f}", file=out)
-
-
+# ----------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; rank 0 prints the table."""
     comm.init()
     torch.set_num_threads(max(1, args.threads))
-    models = [m for m in args.models.split(",") if m]
-    wanted = [c for c in args.competitors.split(",") if c]
-    bad = [c for c in wanted if c not in COMPETITORS] + [m for m in models if m not in MODELS]
-    if bad:
-        raise SystemExit(f"bench train: unknown {bad}; competitors: {', '.join(COMPETITORS)}; "
-                         f"models: {', '.join(MODELS)}")
     size, rank = comm.size(), comm.rank()
-    records: List[Dict[str, Any]] = []
-
-    def record(model: str, competitor: str, result: Optional[Dict[str, float]]) -> None:
-        if result is None:
-            return
-        result = dict(result, model=model, competitor=competitor, ranks=size, batch_per_rank=args.batch,
-                      samples_per_s=size * args.batch / result["step_s"])
-        records.append(result)
+    try:
+        models = parse_list(args.models, MODELS, "model")
+        wanted = parse_list(args.competitors, COMPETITORS, "competitor")
+        rank_counts = parse_ranks(args.ranks, size)
+        phases = plan_phases(rank_counts, models, wanted, args.repeats)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    env = environment(args.threads)
+    if "horovod" in wanted and horovod_module() is None:
         if rank == 0:
-            print(f"  {model:4} {competitor:16} step {result['step_s'] * 1e3:8.1f} ms", flush=True)
+            print("  horovod: not importable, skipped", flush=True)
+        phases = [p for p in phases if p.competitor != "horovod"]
+        wanted = [c for c in wanted if c != "horovod"]
 
-    phases: List[tuple] = []
-    for model in models:
-        for competitor in ("plain", "hpctrain", "hpctrain-overlap", "hpctrain-sync", "ddp-gloo"):
-            if competitor in wanted:
-                phases.append((model, competitor))
-    runners: Dict[str, Callable[[str, argparse.Namespace], Optional[Dict[str, float]]]] = {
-        "plain": bench_plain, "hpctrain": bench_hpctrain, "ddp-gloo": bench_ddp,
-        "hpctrain-overlap": lambda kind, a: bench_hpctrain(kind, a, overlap=True),
-        "hpctrain-sync": lambda kind, a: bench_hpctrain(kind, a, overlap=False)}
-    for model, competitor in phases:
-        record(model, competitor, runners[competitor](model, args))
+    # Groups for the 1-rank rows (rank 0 alone); every rank takes part in creating them.
+    solo = comm.new_group([0]) if size > 1 and 1 in rank_counts else None
+    ddp_groups: Dict[int, Any] = {}
+    if "ddp-gloo" in wanted:
+        import torch.distributed as dist
+        from hpctrain.torch.backends import init_torch_distributed
+
+        init_torch_distributed("gloo")
+        ddp_groups = {size: None}
+        if 1 in rank_counts and size > 1:
+            ddp_groups[1] = dist.new_group([0])
+        elif 1 in rank_counts:
+            ddp_groups[1] = None
+
+    runners: Dict[Tuple[int, str, str], Runner] = {}
+    results: Dict[Tuple[int, str, str], List[Dict[str, List[float]]]] = {}
+    hvd = None
+
+    def make(ph: Phase) -> Runner:
+        group = solo if ph.ranks == 1 and size > 1 else None
+        if ph.competitor == "plain":
+            return Plain(ph.model, args, group)
+        if ph.competitor.startswith("hpctrain"):
+            overlap = {"hpctrain": None, "hpctrain-overlap": True, "hpctrain-sync": False}[ph.competitor]
+            return Hpctrain(ph.model, args, group, overlap)
+        if ph.competitor == "ddp-gloo":
+            return DDPGloo(ph.model, args, ddp_groups[ph.ranks])
+        return Horovod(ph.model, args, hvd)
+
+    def finish_horovod_world() -> None:
+        nonlocal hvd
+        if hvd is not None:
+            for key in [k for k in runners if k[2] == "horovod"]:
+                runners.pop(key).close()
+            hvd.shutdown()
+            hvd = None
+
+    comm_times: Dict[Tuple[int, str, str], Optional[float]] = {}
+
+    def measure_comm_alone(horovod: bool) -> None:
+        # N-rank rows only; the others' before Horovod starts (its thread slows other MPI).
+        for key, runner in sorted(runners.items()):
+            if key[0] == size > 1 and (key[2] == "horovod") == horovod and key not in comm_times:
+                comm_times[key] = runner.comm_alone()
+
+    for ph in phases:
+        key = (ph.ranks, ph.model, ph.competitor)
+        if ph.competitor == "horovod" and (hvd is None or hvd.size() != ph.ranks):
+            # Horovod's world is fixed at init: one world per process for the 1-rank rows (as in
+            # a 1-process job: no hooks, no communication), then the full world for N ranks.
+            measure_comm_alone(horovod=False)
+            finish_horovod_world()
+            comm.barrier()
+            hvd = horovod_module()
+            hvd.init(comm=[rank] if ph.ranks == 1 else None)
+        if ph.ranks == size or rank == 0:  # 1-rank rows: rank 0 alone, the others wait below
+            if key not in runners:
+                runners[key] = make(ph)
+            warmup = args.warmup if key not in results else max(1, args.warmup // 2)
+            if ph.ranks == size:
+                comm.barrier()
+            sample = runners[key].time(args.steps, warmup)
+            results.setdefault(key, []).append(sample)
+            if rank == 0:
+                print(f"  {ph.ranks} rank(s) {ph.model:4} {ph.competitor:16} repeat {ph.repeat + 1}: step "
+                      f"{statistics.median(sample['step_s']) * 1e3:8.1f} ms (rank 0)", flush=True)
+        comm.barrier()
+    measure_comm_alone(horovod=False)
+    measure_comm_alone(horovod=True)
+    finish_horovod_world()
+    for key, runner in runners.items():
+        runner.close()
     if "ddp-gloo" in wanted:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    if "horovod" in wanted:
-        hvd = horovod_module()
-        if hvd is None:
-            if rank == 0:
-                print("  horovod: not importable, skipped", flush=True)
-        else:
-            hvd.init()
-            for model in models:
-                record(model, "horovod", bench_horovod(model, args, hvd))
-            hvd.shutdown()
-    if rank == 0:
-        print_table(records, size)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(records, f, indent=1)
-            print(f"wrote {args.json}")
+
+    # Every rank's per-step lists to rank 0, which takes the slowest rank per repeat.
+    everyone = comm.allgather_object({"results": results, "comm": comm_times,
+                                      "info": {k: r.info for k, r in runners.items()}})
+    if rank != 0:
+        return 0
+    records: List[Dict[str, Any]] = []
+    order = {c: i for i, c in enumerate(COMPETITORS)}
+    keys = sorted(results, key=lambda k: (k[0], MODELS.index(k[1]), order[k[2]]))
+    for key in keys:
+        ranks, model, competitor = key
+        participants = [e["results"][key] for e in everyone if key in e["results"]]
+        repeats = [combine([p[i] for p in participants]) for i in range(len(participants[0]))]
+        row = summarize_repeats(repeats)
+        row.update(model=model, competitor=competitor, ranks=ranks, batch_per_rank=args.batch,
+                   samples_per_s=ranks * args.batch / row["step_s"])
+        times = [e["comm"].get(key) for e in everyone if e["comm"].get(key) is not None]
+        row["comm_s"] = max(times) if times else None
+        row.update(everyone[0]["info"].get(key, {}))
+        records.append(row)
+    env["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    print_table(records, size, env)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": records}, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
