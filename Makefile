@@ -23,7 +23,7 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): setup.py requirements-dev.txt
+$(STAMP): setup.py requirements-dev.txt hpctrain/comm/_shmsync.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt

@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "hpctrain" / "__init__.py").read_text()).group(1)
@@ -38,6 +38,12 @@ setup(
         # Horovod is built from source (see benchmarks/build_horovod.sh); listed for completeness.
         "horovod": ["horovod==0.28.1"],
     },
+    # Shared-memory flag synchronisation (small all-reduces, cheap agreement checks). Optional:
+    # without a C compiler hpctrain.comm falls back to MPI barriers and native collectives.
+    ext_modules=[
+        Extension("hpctrain.comm._shmsync", ["hpctrain/comm/_shmsync.c"],
+                  extra_compile_args=["-O3", "-std=c11"], optional=True),
+    ],
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli.main:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -4,6 +4,8 @@ torch.distributed Gloo and Horovod (when importable), in one run.
 Every algorithm reduces the same in-place buffer (what gradient reduction does). A time is
 the slowest rank's mean over --iters after --warmup; with --repeats R the table shows the
 median over repeats and the spread (min–max). Order of competitors rotates per repeat.
+The reference ("best MPI") is, per size, the faster of the MPI library's in-place and
+out-of-place MPI_Allreduce (mpi, mpi-oop).
 busbw = algbw · 2(N−1)/N (the nccl-tests definition). Horovod runs in its own phase at the
 end, since its background thread slows every other MPI call while it lives.
 
@@ -24,15 +26,18 @@ from hpctrain import comm
 from hpctrain.comm.plan import format_size, parse_size
 
 HPCTRAIN_ALGOS = ("native", "ring", "shm", "hierarchical", "auto")
-DEFAULT_ALGOS = "mpi,native,ring,shm,shm-zc,hierarchical,auto,auto-zc,gloo,horovod"
+DEFAULT_ALGOS = "mpi,mpi-oop,native,ring,shm,shm-zc,hierarchical,auto,auto-check,auto-zc,gloo,horovod"
+REFERENCES = ("mpi", "mpi-oop")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1KiB,64KiB,1MiB,16MiB,64MiB", help="message sizes (bytes, KiB, MiB, …)")
     p.add_argument("--algos", default=DEFAULT_ALGOS,
-                   help="comma list: mpi (raw MPI_Allreduce, in place), native, ring, shm, hierarchical, "
-                        "auto (hpctrain, on the caller's buffer), shm-zc and auto-zc (hpctrain on a buffer "
-                        "in the shared window: zero-copy), gloo (torch.distributed), horovod (if importable)")
+                   help="comma list: mpi, mpi-oop (raw MPI_Allreduce in place / out of place; the faster "
+                        "is the reference), native, ring, shm, hierarchical, auto (hpctrain, on the caller's "
+                        "buffer), auto-check (auto with the agreement check on, the default outside the "
+                        "bench), shm-zc and auto-zc (hpctrain on a buffer in the shared window: zero-copy), "
+                        "gloo (torch.distributed), horovod (if importable; in its own phase)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
@@ -64,8 +69,10 @@ def make_runners(algos: List[str], dtype: str):
             runners[algo] = lambda buf, a=algo: (lambda: comm.allreduce_(buf, algorithm=a))
         elif algo in ("shm-zc", "auto-zc"):
             runners[algo] = _zero_copy_runner(algo.split("-")[0])
-        elif algo == "mpi":
-            runners[algo] = _raw_mpi_runner()
+        elif algo == "auto-check":
+            runners[algo] = _checked_runner
+        elif algo in REFERENCES:
+            runners[algo] = _raw_mpi_runner(in_place=algo == "mpi")
         elif algo == "gloo":
             runner = _gloo_runner()
             if runner:
@@ -90,13 +97,26 @@ def _zero_copy_runner(algo: str):
     return make
 
 
-def _raw_mpi_runner():
+def _checked_runner(buf: np.ndarray):
+    def run():
+        comm.set_checks(True)
+        try:
+            comm.allreduce_(buf)
+        finally:
+            comm.set_checks(False)
+
+    return run
+
+
+def _raw_mpi_runner(in_place: bool):
     from hpctrain.comm.world import world
 
     mpi_comm = world().comm
     from mpi4py import MPI  # noqa: the bench measures the raw library as the reference
 
-    return lambda buf: (lambda: mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
+    if in_place:
+        return lambda buf: (lambda: mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
+    return lambda buf: (lambda out=np.empty_like(buf): mpi_comm.Allreduce(buf, out, op=MPI.SUM))
 
 
 def _gloo_runner():
@@ -141,7 +161,8 @@ def measure(runners, sizes, dtype, args, records):
                 "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype,
                 "time_s": t, "time_min_s": min(times[algo]), "time_max_s": max(times[algo]),
                 "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(n),
-                "chosen": (comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc")
+                "chosen": (comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc",
+                                                 dtype=dtype)
                            if algo.startswith("auto") else algo),
             })
 
@@ -154,17 +175,35 @@ def layout_line() -> str:
     return f"ranks={g.size} nodes={len(nodes)} layout: " + "  ".join(parts)
 
 
+def reference_times(records: List[dict]) -> Dict[int, float]:
+    """Per size, the time of the best MPI_Allreduce variant measured (in place or out of
+    place); hpctrain's native path when no raw reference ran."""
+    names = [n for n in REFERENCES if any(r["algo"] == n for r in records)] or ["native"]
+    best: Dict[int, float] = {}
+    for r in records:
+        if r["algo"] in names:
+            best[r["bytes"]] = min(best.get(r["bytes"], float("inf")), r["time_s"])
+    return best
+
+
+def ratios_against(records: List[dict], competitor: str) -> Dict[tuple, float]:
+    """(algo, bytes) → competitor's time / algo's time (>1: algo is faster)."""
+    theirs = {r["bytes"]: r["time_s"] for r in records if r["algo"] == competitor}
+    return {(r["algo"], r["bytes"]): theirs[r["bytes"]] / r["time_s"] for r in records if r["bytes"] in theirs}
+
+
 def print_table(records: List[dict], out=sys.stdout) -> None:
-    ref_name = "mpi" if any(r["algo"] == "mpi" for r in records) else "native"
-    ref = {r["bytes"]: r["time_s"] for r in records if r["algo"] == ref_name}
-    print(f"{'size':>8} {'algo':>13} {'time_us':>10} {'spread_us':>15} {'algbw':>7} {'busbw':>7} "
-          f"{'x_' + ref_name:>7}", file=out)
+    ref = reference_times(records)
+    vs = {c: ratios_against(records, c) for c in ("gloo", "horovod") if any(r["algo"] == c for r in records)}
+    print(f"{'size':>8} {'algo':>18} {'time_us':>10} {'spread_us':>15} {'algbw':>7} {'busbw':>7} "
+          f"{'x_best_mpi':>10}" + "".join(f" {'x_' + c:>9}" for c in vs), file=out)
     for r in records:
         ratio = ref[r["bytes"]] / r["time_s"] if r["bytes"] in ref else float("nan")
         spread = f"{r['time_min_s'] * 1e6:.0f}-{r['time_max_s'] * 1e6:.0f}"
         algo = r["algo"] + (f"({r['chosen']})" if r["algo"].startswith("auto") else "")
-        print(f"{format_size(r['bytes']):>8} {algo:>13} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
-              f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>7.2f}", file=out)
+        others = "".join(f" {vs[c].get((r['algo'], r['bytes']), float('nan')):>9.2f}" for c in vs)
+        print(f"{format_size(r['bytes']):>8} {algo:>18} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
+              f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>10.2f}{others}", file=out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         records.sort(key=lambda r: (r["bytes"], algos.index(r["algo"]) if r["algo"] in algos else 99))
         print_table(records)
         if args.json:
+            for r in records:
+                r["layout"] = layout
             with open(args.json, "w") as f:
                 json.dump(records, f, indent=1)
             print(f"wrote {args.json}")

@@ -11,8 +11,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, asyncq, guard, plan
-from .buffers import Flat, check_op, finish_average, flatten, rebuild
+from . import algorithms, asyncq, guard, plan, shmsync
+from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
 from .errors import CommError
 from .world import Group, resolve, watchdog
 
@@ -45,11 +45,17 @@ def requested_algorithm(algorithm: str) -> str:
 
 
 def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto",
-                     shared: bool = False) -> str:
-    """The algorithm an all-reduce of ``nbytes`` would use on ``group`` (``shared``: the data
-    lives in a ``shared_buffer``)."""
+                     shared: bool = False, dtype: str = "float32") -> str:
+    """The algorithm an all-reduce of ``nbytes`` of ``dtype`` would use on ``group``
+    (``shared``: the data lives in a ``shared_buffer``)."""
     g = resolve(group)
-    return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm), shared)
+    return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm), shared,
+                                 _small_shm(g, str(dtype).replace("torch.", "")))
+
+
+def _small_shm(g: Group, dtype_name: str) -> int:
+    """Largest all-reduce the group's flag exchange takes for this dtype (0: none)."""
+    return g.small_shm if DTYPE_CODES.get(dtype_name, -1) in shmsync.FAST_DTYPES else 0
 
 
 # --------------------------------------------------------------------------- all-reduce
@@ -60,12 +66,20 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     (auto picks by size and topology; HPCTRAIN_ALLREDUCE overrides auto).
     """
     g = _sync_start(group)
+    if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and x.nbytes <= g.small_shm
+            and requested_algorithm("auto") == "auto"):
+        out = np.array(x, order="C")  # a contiguous copy, reduced in place
+        if _small_allreduce_(g, out, op):
+            return out
     return _allreduce(x, op, algorithm, g, inplace=False)
 
 
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
     """In-place all-reduce; returns ``x``."""
     g = _sync_start(group)
+    if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto"
+            and _small_allreduce_(g, x, op)):
+        return x
     return _allreduce(x, op, algorithm, g, inplace=True)
 
 
@@ -78,14 +92,46 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Opt
     return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace))
 
 
+_FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
+                if DTYPE_CODES[name] in shmsync.FAST_DTYPES}
+_HEADER_OP = {op: guard.reduction_index(op) for op in shmsync.OP_CODES}
+_SHM = guard.algorithm_index("shm")
+
+
+def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
+    """The lean path of a small all-reduce on one node (one flag exchange, ~1 µs of Python):
+    False, having done nothing, when ``x`` does not qualify — the general path then runs
+    (and picks the same algorithm, so ranks on either path still agree)."""
+    nbytes = x.nbytes
+    code = _FAST_DTYPES.get(x.dtype)
+    if code is None or not 0 < nbytes <= g.small_shm or op not in _HEADER_OP or not x.flags.c_contiguous:
+        return False
+    g.seq += 1
+    header = None
+    if guard.checks_enabled():
+        header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0)
+    g.node_flags.allreduce_(x, code, op, header, watchdog(),
+                            lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) [collective #{g.seq}] on {g.name}",
+                            g.describe_ranks, g)
+    return True
+
+
 def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     check_op(op)
     flat = flatten(x, writable=inplace, what="allreduce")
     if op in ("min", "max") and flat.array.dtype.kind == "c":
         raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
     shared = _find_shared(g, flat.array) if inplace else None
-    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm), shared is not None)
+    small = _small_shm(g, flat.dtype_name)
+    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm), shared is not None,
+                                 small)
     dog = watchdog()
+    src = flat.array
+    if algo == "shm" and 0 < src.nbytes <= small:  # one flag exchange, agreement check included
+        out = src if inplace else src.copy()
+        if not _small_allreduce_(g, out, op):
+            raise AssertionError("small shared-memory all-reduce refused a qualifying array")
+        return x if inplace else rebuild(flat, out)
     extra = shared[1] + 1 if shared else 0
     if guard.checks_enabled():
         guard.agree(g, guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra), dog)
@@ -93,7 +139,6 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
         g.seq += 1
     what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
         guard.make_header(g.seq, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra)) + f" on {g.name}"
-    src = flat.array
     if shared is not None and algo in ("shm", "hierarchical") and src.size:
         sbuf, offset = shared
         algorithms.shm_zero_copy_(g, sbuf, offset, src.size, op, flat.dtype_name, dog, what,

@@ -49,6 +49,14 @@ def agree_or_count(group, header_fn, dog) -> None:
         group.seq += 1
 
 
+def reduction_index(op: str) -> int:
+    return _RED_NAMES.index(op)
+
+
+def algorithm_index(algorithm: str) -> int:
+    return _ALGO_NAMES.index(algorithm)
+
+
 def shape_code(shape: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(shape)).encode())
 
@@ -94,8 +102,11 @@ def agree(group, header: np.ndarray, dog) -> None:
     if not _enabled["on"] or group.size == 1:
         return
     header[0] = group.seq
-    comm = group.ctl_comm
     what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report
+    if group.small_shm:  # one node: one flag exchange in shared memory
+        group.node_flags.agree(header, dog, lambda: what() + " (agreement check)", group.describe_ranks, group)
+        return
+    comm = group.ctl_comm
     if group.rank == 0:
         headers = np.empty((group.size, HEADER_LEN), dtype=np.int64)
         headers[0] = header

@@ -149,11 +149,16 @@ CROSS_NODE_SMALL_BYTES = 64 * 1024
 SHARED_SMALL_BYTES = 16 * 1024
 
 
-def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", shared: bool = False) -> str:
+def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", shared: bool = False,
+                     small_shm: int = 0) -> str:
     """The algorithm a collective of ``nbytes`` uses on ``topology``.
 
-    Depends only on values that agree on every rank (message size, group layout, whether the
-    data lives in a shared buffer), so every rank of a group picks the same algorithm.
+    ``small_shm``: the largest message the node's shared-memory flag exchange takes for this
+    dtype (0: not available — no C extension, or a dtype its kernels lack); up to that size
+    one node's all-reduce is one flag round trip, faster than MPI_Allreduce.
+
+    Depends only on values that agree on every rank (message size, dtype, group layout,
+    whether the data lives in a shared buffer), so every rank of a group picks the same one.
     """
     if requested not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {requested!r}; valid: {', '.join(ALGORITHMS)}")
@@ -168,6 +173,8 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
     if topology.size == 1:
         return "native"
     if topology.single_node:
+        if 0 < nbytes <= small_shm:
+            return "shm"
         if shared:
             return "shm" if nbytes >= SHARED_SMALL_BYTES else "native"
         return "ring" if nbytes >= LARGE_RING_BYTES else "native"

@@ -99,8 +99,13 @@ class Watchdog:
             missing = wait.waiting_for()
         except Exception as exc:  # never let the report itself hide the stall
             missing = f"(could not tell: {exc})"
+        self.stalled(wait.what, waited, missing)
+
+    def stalled(self, what: Text, waited: float, missing: str) -> None:
+        """Report a stall (``what`` waited ``waited`` s for ``missing``) and abort the job.
+        Also called by waits that time out by themselves (shared-memory flags)."""
         message = (
-            f"hpctrain: STALL on rank {self.rank}: {text(wait.what)} has waited {waited:.1f} s "
+            f"hpctrain: STALL on rank {self.rank}: {text(what)} has waited {waited:.1f} s "
             f"(HPCTRAIN_STALL_TIMEOUT={self.timeout:g}). Not arrived: {missing}.\n"
             "HINT: every rank must call the same collectives in the same order; a rank that "
             "crashed, skipped a step or has fewer batches stalls the others. Aborting the job."

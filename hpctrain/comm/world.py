@@ -58,6 +58,13 @@ class Group:
         self.cross_comm = mpi_comm.Split(color=self.local_rank, key=self.rank)
         self.cross_ring_comm = self.cross_comm.Dup()
         self.seq = 0  # collectives entered, identical on every rank when they agree
+        # Flag synchronisation among this group's ranks on this node (None: one local rank,
+        # or the C extension missing). On a one-node group it also runs the agreement check
+        # and small all-reduces.
+        from .shmsync import NodeFlags
+
+        self.node_flags = NodeFlags.create(self.node_comm)
+        self.small_shm = self.node_flags.slot_bytes if self.node_flags and self.topology.single_node else 0
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         self._lock = threading.RLock()
@@ -82,6 +89,10 @@ class Group:
         if self.shm_arena is not None:
             self.shm_arena.free()
             self.shm_arena = None
+        if self.node_flags is not None:
+            self.node_flags.free()
+            self.node_flags = None
+            self.small_shm = 0
         for c in (self.ring_comm, self.p2p_comm, self.ctl_comm, self.node_comm, self.cross_comm, self.cross_ring_comm):
             try:
                 c.Free()

@@ -1,0 +1,321 @@
+/* Shared-memory flag synchronisation and small all-reduces for ranks on one node.
+ *
+ * Every local rank owns one region of an MPI-3 shared window (allocated by hpctrain.comm):
+ *
+ *   [0, 64)                      flag: uint64 sequence number, release-stored
+ *   [128, 128 + 2*HDR)           two header slots (one per sequence parity)
+ *   [256, 256 + 2*slot_bytes)    two data slots   (one per sequence parity)
+ *
+ * One exchange (collective number `seq`): write my header/data into the slots of parity
+ * seq&1, release-store flag = seq, wait until every peer's flag >= seq (acquire), compare
+ * headers, reduce every rank's data slot in rank order into the caller's buffer (so the
+ * result is bitwise identical on every rank).
+ *
+ * Why two parities are enough: a rank publishes seq+1 only after it finished reading the
+ * slots of seq, and a rank starts writing the slots of seq+2 only after it saw every flag
+ * reach seq+1. One flag round trip per collective, no MPI barrier.
+ *
+ * The wait spins (pause), then yields, then sleeps; it gives up after `timeout` seconds
+ * (0: never) so that the caller can report the ranks that did not arrive and abort.
+ * The GIL is released while waiting and reducing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define FLAG_OFF 0
+#define HDR_OFF 128
+#define HDR_BYTES 64
+#define DATA_OFF 256
+
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_MISMATCH = 2 };
+
+/* Codes follow hpctrain.comm.buffers.DTYPE_CODES. */
+enum { DT_BOOL = 0, DT_I8, DT_U8, DT_I16, DT_U16, DT_I32, DT_U32, DT_I64, DT_U64,
+       DT_F16, DT_BF16, DT_F32, DT_F64 };
+/* Codes follow hpctrain.comm.buffers.OPS. */
+enum { OP_SUM = 0, OP_AVG, OP_MIN, OP_MAX, OP_PROD };
+
+typedef struct {
+    PyObject_HEAD
+    char **regions;     /* base address of every local rank's region */
+    int nranks;
+    int rank;
+    Py_ssize_t slot_bytes;
+    uint64_t seq;
+    long spin_limit;    /* pause-loop iterations before yielding (0 when oversubscribed) */
+} Ctx;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline volatile uint64_t *flag_of(Ctx *c, int q) {
+    return (volatile uint64_t *)(c->regions[q] + FLAG_OFF);
+}
+static inline char *hdr_of(Ctx *c, int q, uint64_t seq) {
+    return c->regions[q] + HDR_OFF + (seq & 1) * HDR_BYTES;
+}
+static inline char *data_of(Ctx *c, int q, uint64_t seq) {
+    return c->regions[q] + DATA_OFF + (seq & 1) * c->slot_bytes;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Wait until every rank's flag reaches seq. Returns ST_OK or ST_TIMEOUT. */
+static int wait_all(Ctx *c, uint64_t seq, double timeout) {
+    int q = 0;
+    long spins = 0;
+    double start = 0.0;
+    while (q < c->nranks) {
+        if (__atomic_load_n(flag_of(c, q), __ATOMIC_ACQUIRE) >= seq) {
+            q++;
+            continue;
+        }
+        spins++;
+        if (spins < c->spin_limit) {
+            cpu_relax();
+            continue;
+        }
+        if ((spins & 255) == 0 || start == 0.0) {
+            double t = now_s();
+            if (start == 0.0) start = t;
+            double waited = t - start;
+            if (timeout > 0 && waited > timeout) return ST_TIMEOUT;
+            if (waited > 0.01) {          /* a long wait: stop burning the core */
+                struct timespec nap = {0, 50000};
+                nanosleep(&nap, NULL);
+                continue;
+            }
+        }
+        sched_yield();
+    }
+    return ST_OK;
+}
+
+#define REDUCE_LOOP(T, EXPR)                                                   \
+    do {                                                                       \
+        T *restrict o = (T *)out;                                              \
+        for (int q = 0; q < c->nranks; q++) {                                  \
+            const T *restrict s = (const T *)data_of(c, q, seq);               \
+            if (q == 0) { memcpy(o, s, n * sizeof(T)); continue; }             \
+            for (Py_ssize_t i = 0; i < n; i++) { T a = o[i], b = s[i]; o[i] = (EXPR); } \
+        }                                                                      \
+    } while (0)
+
+#define REDUCE_TYPE(T, IS_FLOAT)                                               \
+    do {                                                                       \
+        switch (op) {                                                          \
+        case OP_SUM: case OP_AVG: REDUCE_LOOP(T, a + b); break;                \
+        case OP_PROD: REDUCE_LOOP(T, a * b); break;                            \
+        case OP_MIN: REDUCE_LOOP(T, b < a ? b : a); break;                     \
+        case OP_MAX: REDUCE_LOOP(T, b > a ? b : a); break;                     \
+        default: return -1;                                                    \
+        }                                                                      \
+        if (op == OP_AVG) {                                                    \
+            T *o = (T *)out;                                                   \
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = (T)(o[i] / (T)c->nranks); \
+        }                                                                      \
+    } while (0)
+
+/* out <- reduction of every rank's data slot of `seq`; n elements. -1: unsupported. */
+static int reduce_slots(Ctx *c, uint64_t seq, void *out, Py_ssize_t n, int dtype, int op) {
+    switch (dtype) {
+    case DT_I8: REDUCE_TYPE(int8_t, 0); break;
+    case DT_U8: REDUCE_TYPE(uint8_t, 0); break;
+    case DT_I16: REDUCE_TYPE(int16_t, 0); break;
+    case DT_U16: REDUCE_TYPE(uint16_t, 0); break;
+    case DT_I32: REDUCE_TYPE(int32_t, 0); break;
+    case DT_U32: REDUCE_TYPE(uint32_t, 0); break;
+    case DT_I64: REDUCE_TYPE(int64_t, 0); break;
+    case DT_U64: REDUCE_TYPE(uint64_t, 0); break;
+    case DT_F32: REDUCE_TYPE(float, 1); break;
+    case DT_F64: REDUCE_TYPE(double, 1); break;
+    default: return -1;
+    }
+    return 0;
+}
+
+static int itemsize_of(int dtype) {
+    switch (dtype) {
+    case DT_I8: case DT_U8: return 1;
+    case DT_I16: case DT_U16: return 2;
+    case DT_I32: case DT_U32: case DT_F32: return 4;
+    case DT_I64: case DT_U64: case DT_F64: return 8;
+    default: return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ Python type */
+static void Ctx_dealloc(Ctx *self) {
+    PyMem_Free(self->regions);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Ctx_init(Ctx *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"regions", "rank", "slot_bytes", "spin_limit", NULL};
+    PyObject *regions;
+    int rank;
+    Py_ssize_t slot_bytes;
+    long spin_limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oinl", kwlist, &regions, &rank, &slot_bytes, &spin_limit))
+        return -1;
+    PyObject *seq = PySequence_Fast(regions, "regions must be a sequence of addresses");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || rank < 0 || rank >= n || slot_bytes < 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "need at least one region, 0 <= rank < len(regions), slot_bytes >= 0");
+        return -1;
+    }
+    PyMem_Free(self->regions);
+    self->regions = PyMem_Calloc(n, sizeof(char *));
+    if (!self->regions) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        self->regions[i] = (char *)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+    }
+    Py_DECREF(seq);
+    self->nranks = (int)n;
+    self->rank = rank;
+    self->slot_bytes = slot_bytes;
+    self->spin_limit = spin_limit;
+    self->seq = __atomic_load_n(flag_of(self, rank), __ATOMIC_ACQUIRE);
+    return 0;
+}
+
+/* exchange(header, buf, dtype, op, timeout) -> status
+ * header: a 64-byte buffer or None; buf: a writable C-contiguous buffer or None. */
+static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
+    PyObject *hdr_obj, *buf_obj;
+    int dtype, op;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OOiid", &hdr_obj, &buf_obj, &dtype, &op, &timeout)) return NULL;
+    Py_buffer hdr = {0}, buf = {0};
+    int have_hdr = hdr_obj != Py_None, have_buf = buf_obj != Py_None;
+    if (have_hdr) {
+        if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        if (hdr.len != HDR_BYTES) {
+            PyBuffer_Release(&hdr);
+            PyErr_Format(PyExc_ValueError, "header must be %d bytes", HDR_BYTES);
+            return NULL;
+        }
+    }
+    Py_ssize_t n = 0;
+    if (have_buf) {
+        if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            if (have_hdr) PyBuffer_Release(&hdr);
+            return NULL;
+        }
+        int item = itemsize_of(dtype);
+        if (item == 0 || buf.len > self->slot_bytes || buf.len % item || op < OP_SUM || op > OP_PROD) {
+            if (have_hdr) PyBuffer_Release(&hdr);
+            PyBuffer_Release(&buf);
+            PyErr_Format(PyExc_ValueError, "exchange: unsupported dtype %d / op %d or %zd bytes > slot %zd",
+                         dtype, op, buf.len, self->slot_bytes);
+            return NULL;
+        }
+        n = buf.len / item;
+    }
+    int status = ST_OK;
+    uint64_t seq = ++self->seq;
+    Py_BEGIN_ALLOW_THREADS
+    if (have_hdr) memcpy(hdr_of(self, self->rank, seq), hdr.buf, HDR_BYTES);
+    if (have_buf) memcpy(data_of(self, self->rank, seq), buf.buf, buf.len);
+    __atomic_store_n(flag_of(self, self->rank), seq, __ATOMIC_RELEASE);
+    status = wait_all(self, seq, timeout);
+    if (status == ST_OK && have_hdr) {
+        for (int q = 0; q < self->nranks; q++)
+            if (memcmp(hdr_of(self, q, seq), hdr.buf, HDR_BYTES) != 0) { status = ST_MISMATCH; break; }
+    }
+    if (status == ST_OK && have_buf && n) reduce_slots(self, seq, buf.buf, n, dtype, op);
+    Py_END_ALLOW_THREADS
+    if (have_hdr) PyBuffer_Release(&hdr);
+    if (have_buf) PyBuffer_Release(&buf);
+    return PyLong_FromLong(status);
+}
+
+/* headers(out): copy every rank's header of the current sequence into out (nranks*64 bytes). */
+static PyObject *Ctx_headers(Ctx *self, PyObject *arg) {
+    Py_buffer out;
+    if (PyObject_GetBuffer(arg, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (out.len != (Py_ssize_t)self->nranks * HDR_BYTES) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "headers: buffer must hold nranks * 64 bytes");
+        return NULL;
+    }
+    for (int q = 0; q < self->nranks; q++)
+        memcpy((char *)out.buf + q * HDR_BYTES, hdr_of(self, q, self->seq), HDR_BYTES);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+/* missing() -> list of local ranks whose flag has not reached the current sequence. */
+static PyObject *Ctx_missing(Ctx *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int q = 0; q < self->nranks; q++) {
+        if (__atomic_load_n(flag_of(self, q), __ATOMIC_ACQUIRE) < self->seq) {
+            PyObject *v = PyLong_FromLong(q);
+            if (!v || PyList_Append(out, v) < 0) { Py_XDECREF(v); Py_DECREF(out); return NULL; }
+            Py_DECREF(v);
+        }
+    }
+    return out;
+}
+
+static PyObject *Ctx_get_seq(Ctx *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(self->seq);
+}
+
+static PyMethodDef Ctx_methods[] = {
+    {"exchange", (PyCFunction)Ctx_exchange, METH_VARARGS,
+     "exchange(header, buf, dtype_code, op_code, timeout) -> 0 ok, 1 timeout, 2 header mismatch"},
+    {"headers", (PyCFunction)Ctx_headers, METH_O, "headers(out): every rank's header of the last exchange"},
+    {"missing", (PyCFunction)Ctx_missing, METH_NOARGS, "local ranks that did not reach the last exchange"},
+    {NULL},
+};
+
+static PyGetSetDef Ctx_getset[] = {
+    {"seq", (getter)Ctx_get_seq, NULL, "number of exchanges so far", NULL},
+    {NULL},
+};
+
+static PyTypeObject CtxType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hpctrain.comm._shmsync.Ctx",
+    .tp_basicsize = sizeof(Ctx),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Flag synchronisation and small all-reduces over a node's shared window",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ctx_init,
+    .tp_dealloc = (destructor)Ctx_dealloc,
+    .tp_methods = Ctx_methods,
+    .tp_getset = Ctx_getset,
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_shmsync", "Shared-memory flag synchronisation for hpctrain.comm", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__shmsync(void) {
+    if (PyType_Ready(&CtxType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    Py_INCREF(&CtxType);
+    if (PyModule_AddObject(m, "Ctx", (PyObject *)&CtxType) < 0) { Py_DECREF(&CtxType); Py_DECREF(m); return NULL; }
+    PyModule_AddIntConstant(m, "REGION_HEADER_BYTES", DATA_OFF);
+    PyModule_AddIntConstant(m, "HEADER_BYTES", HDR_BYTES);
+    return m;
+}

@@ -1,0 +1,110 @@
+"""Flag synchronisation among the ranks of one node, over a shared window (the C extension
+``_shmsync``): a barrier, the agreement check and whole small all-reduces in one flag round
+trip (~1 µs) instead of MPI barriers and messages (~4 µs each, ~50 µs for a checked call).
+
+Where the extension is not built (no C compiler at install time) or HPCTRAIN_SHM_FLAGS=0,
+``NodeFlags.create`` returns None and callers use MPI barriers and native collectives.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .buffers import DTYPE_CODES, OPS
+from .errors import CollectiveMismatchError
+
+try:
+    from . import _shmsync
+except ImportError:  # built with optional=True: no compiler, no extension
+    _shmsync = None
+
+# All-reduces up to this many bytes run as one flag exchange: every rank copies its data into
+# its slot and reduces all slots itself (one round trip, no second barrier). Measured on the
+# 2-core dev machine (docs/performance.md): faster than MPI_Allreduce up to 256 KiB at 2 ranks.
+SMALL_ALLREDUCE_BYTES = 256 * 1024
+# dtypes and ops the C kernels reduce (float16/bfloat16/complex/bool take the MPI path)
+FAST_DTYPES = frozenset(DTYPE_CODES[n] for n in (
+    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
+FAST_DTYPE_NUMS = {np.dtype(n).num: DTYPE_CODES[n] for n in (
+    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64")}
+OP_CODES = {op: i for i, op in enumerate(OPS)}
+HEADER = struct.Struct("8q")  # the 7 header fields of guard.make_header, padded to 64 bytes
+ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
+_SPIN_ITERATIONS = 1 << 16  # pause-loop iterations before a waiting rank starts yielding
+
+
+def available() -> bool:
+    return _shmsync is not None and os.environ.get("HPCTRAIN_SHM_FLAGS", "1") != "0"
+
+
+class NodeFlags:
+    """One flag, two header slots and two data slots per local rank of ``node_comm``."""
+
+    def __init__(self, node_comm, slot_bytes: int, spin: int) -> None:
+        self.comm = node_comm
+        self.size = node_comm.Get_size()
+        self.rank = node_comm.Get_rank()
+        self.slot_bytes = slot_bytes
+        region = _shmsync.REGION_HEADER_BYTES + 2 * slot_bytes
+        self.win = MPI.Win.Allocate_shared(region, 1, comm=node_comm)
+        views = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8) for q in range(self.size)]
+        views[self.rank][:_shmsync.REGION_HEADER_BYTES] = 0  # window memory is not zeroed
+        node_comm.Barrier()
+        self.ctx = _shmsync.Ctx([v.ctypes.data for v in views], self.rank, slot_bytes, spin)
+        self._views = views  # keep the mappings referenced as long as ctx uses them
+
+    @classmethod
+    def create(cls, node_comm, slot_bytes: int = SMALL_ALLREDUCE_BYTES) -> Optional["NodeFlags"]:
+        """Collective over ``node_comm``: NodeFlags on every rank, or None on every rank
+        (extension missing or switched off on any rank, or a single rank)."""
+        if node_comm.Get_size() == 1:
+            return None
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        votes = node_comm.allgather((available(), cpus))
+        if not all(ok for ok, _ in votes):
+            return None
+        usable = set().union(*(set(c) for _, c in votes))
+        # more ranks than cores: a spinning rank would take the core its peer needs
+        spin = _SPIN_ITERATIONS if len(usable) >= node_comm.Get_size() else 0
+        return cls(node_comm, slot_bytes, spin)
+
+    # ------------------------------------------------------------------ operations
+    def barrier(self, dog, what, describe) -> None:
+        """Every local rank has arrived (a memory barrier too: writes before it are visible after)."""
+        self._check(self.ctx.exchange(None, None, 0, 0, dog.timeout), dog, what, describe, None)
+
+    def agree(self, header: np.ndarray, dog, what, describe, group) -> None:
+        """The agreement check of guard.agree, in one flag exchange."""
+        packed = HEADER.pack(*(int(v) for v in header), 0)
+        self._check(self.ctx.exchange(packed, None, 0, 0, dog.timeout), dog, what, describe, group)
+
+    def allreduce_(self, arr: np.ndarray, dtype_code: int, op: str, header: Optional[bytes], dog, what,
+                   describe, group) -> None:
+        """Small all-reduce of ``arr`` in place (``arr.nbytes <= slot_bytes``, a FAST dtype)."""
+        status = self.ctx.exchange(header, arr, dtype_code, OP_CODES[op], dog.timeout)
+        if status:
+            self._check(status, dog, what, describe, group)
+
+    def _check(self, status: int, dog, what, describe, group) -> None:
+        if status == ST_OK:
+            return
+        if status == ST_MISMATCH:
+            from .guard import HEADER_LEN, mismatch_message
+
+            headers = np.empty((self.size, 8), dtype=np.int64)
+            self.ctx.headers(headers)
+            raise CollectiveMismatchError(mismatch_message(headers[:, :HEADER_LEN], group))
+        dog.stalled(what, dog.timeout, describe(self.ctx.missing()))
+
+    def free(self) -> None:
+        if self.win is not None:
+            self.comm.Barrier()
+            self.ctx = None
+            self._views = []
+            self.win.Free()
+            self.win = None
+
