@@ -336,11 +336,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 for mk in maps.values():
                     if mk is not None:
                         mk.release()
-            for mm in self._mmaps.values():
-                try:
-                    mm.close()
-                except BufferError:  # a view is still alive: unmapped when it goes
-                    pass
+            for mf in self._mmaps.values():
+                mf.close()
         self._handles = {}
         self._dsets = {}
         self._maps = {}

@@ -3,10 +3,11 @@
 HDF5 stores an unfiltered dataset as plain bytes: one contiguous extent, or whole chunks at
 known file offsets. :func:`map_dataset` finds those offsets once (``H5Dget_offset`` /
 ``H5Dchunk_iter``) and describes every sample row as a slice of a read-only ``mmap`` of the
-file. A window of samples is then copied from the page cache into the loader's arrays with
-one ``numpy.take`` per stretch of samples that share a view: each byte is copied once, in
-any order, without the GIL (``H5Dread`` into a staging buffer followed by an in-memory
-shuffle copies every byte twice).
+file. A window of samples is then copied from the page cache into the loader's arrays once,
+in plan order, without the GIL: stretches of consecutive rows with one ``preadv`` straight
+into place (as a raw slab read does), shuffled rows with one ``numpy.take`` per stretch of
+samples that share a view of the map (``H5Dread`` into a staging buffer followed by an
+in-memory shuffle copies every byte twice).
 
 Only datasets whose rows are whole byte ranges of the file are mapped: contiguous layout
 without external storage, or chunked layout without filters whose chunks span the full
@@ -28,20 +29,50 @@ from h5py import h5d
 MAX_CHUNKS_WITHOUT_ITER = 100_000  # H5Dget_chunk_info(i) is linear in i: quadratic beyond
 
 
-def open_map(path: str) -> Optional[mmap.mmap]:
-    """A read-only shared map of the whole file, or None (empty file, no mmap support)."""
+class MappedFile:
+    """A read-only descriptor and shared map of a whole file (pages map in on first use)."""
+
+    def __init__(self, fd: int, mm: mmap.mmap) -> None:
+        self.fd = fd
+        self.mm = mm
+
+    def __len__(self) -> int:
+        return len(self.mm)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive: unmapped when it goes
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_map(path: str) -> Optional[MappedFile]:
+    """Map the file read-only, or None (empty file, no mmap support)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size == 0:
-            return None
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        if os.fstat(fd).st_size > 0:
+            return MappedFile(fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
     except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+        pass
+    os.close(fd)
+    return None
+
+
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill the C-contiguous ``buf`` from file bytes at ``offset`` (the GIL is released)."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"file ended at byte {offset + done} while reading {len(view)} bytes from {offset}")
+        done += got
 
 
 @dataclass(frozen=True)
@@ -120,8 +151,11 @@ class MappedKey:
     every segment of a group: segments whose byte offsets agree modulo the row size lie on
     one grid of rows (a ``(rows, row_bytes)`` ``uint8`` view spanning them all)."""
 
-    def __init__(self, segs: Sequence[Segment], row_bytes: int, mm: mmap.mmap) -> None:
+    def __init__(self, segs: Sequence[Segment], row_bytes: int, mf: MappedFile) -> None:
         self.row_bytes = row_bytes
+        self.fd = mf.fd
+        mm = mf.mm
+        self.view_offset: List[int] = []
         groups: dict = {}
         for s in segs:
             groups.setdefault(s.offset % row_bytes, []).append(s)
@@ -133,6 +167,7 @@ class MappedKey:
             if end > len(mm):
                 raise ValueError(f"dataset bytes end at {end}, past the end of the file ({len(mm)})")
             g = len(self.views)
+            self.view_offset.append(start)
             self.views.append(np.ndarray(((end - start) // row_bytes, row_bytes), np.uint8, buffer=mm, offset=start))
             for s in members:
                 seg_group[s.row] = g
@@ -153,14 +188,14 @@ class MappedKey:
         self.views = []
 
 
-def map_dataset(dset: h5py.Dataset, mm: mmap.mmap) -> Tuple[Optional[MappedKey], str]:
-    """Map ``dset`` (of the file mapped as ``mm``), checked against HDF5 reads of a few rows."""
+def map_dataset(dset: h5py.Dataset, mf: MappedFile) -> Tuple[Optional[MappedKey], str]:
+    """Map ``dset`` (of the file mapped as ``mf``), checked against HDF5 reads of a few rows."""
     try:
         segs, why = segments_of(dset)
         if segs is None:
             return None, why
         row_bytes = int(np.prod(dset.shape[1:], dtype=np.int64)) * dset.dtype.itemsize
-        mk = MappedKey(segs, row_bytes, mm)  # offsets are from the start of the file (user block included)
+        mk = MappedKey(segs, row_bytes, mf)  # offsets are from the start of the file (user block included)
     except (ValueError, TypeError, RuntimeError, OSError, AttributeError) as exc:
         return None, f"cannot map: {exc}"
     n = int(dset.shape[0])
@@ -178,8 +213,10 @@ def map_dataset(dset: h5py.Dataset, mm: mmap.mmap) -> Tuple[Optional[MappedKey],
 def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = row rows[i] of dataset maps[which[i]]``, as bytes; ``out`` is C-contiguous.
 
-    One ``numpy.take`` (it releases the GIL) per stretch of consecutive samples that lie in
-    the same view: a window of samples sorted within each batch needs only a few.
+    The window is cut into stretches of consecutive samples that lie in one view of a map.
+    A stretch of consecutive rows (block order, file order) is read with one ``preadv``
+    straight into ``out``: a raw read, no page mapped. Any other stretch (shuffled rows,
+    padding repeats) is one ``numpy.take`` from the map. Both release the GIL.
     """
     n = len(rows)
     if n == 0:
@@ -187,7 +224,7 @@ def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: 
     dst = out.reshape(n, -1).view(np.uint8)
     if len(maps) == 1:
         group, vrow = maps[0].locate(rows)
-        views = maps[0].views
+        views = [(maps[0], g) for g in range(len(maps[0].views))]
     else:
         group = np.empty(n, np.int64)
         vrow = np.empty(n, np.int64)
@@ -198,12 +235,17 @@ def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: 
                 g, v = mk.locate(rows[sel])
                 group[sel] = g + len(views)
                 vrow[sel] = v
-            views = views + mk.views
+            views.extend((mk, g) for g in range(len(mk.views)))
     if len(views) == 1 or group.min() == group.max():
-        np.take(views[int(group[0])], vrow, axis=0, out=dst, mode="clip")  # indices are valid
-        return
-    cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
-    starts = np.concatenate(([0], cuts))
-    stops = np.concatenate((cuts, [n]))
-    for a, b in zip(starts.tolist(), stops.tolist()):
-        np.take(views[int(group[a])], vrow[a:b], axis=0, out=dst[a:b], mode="clip")
+        starts, stops = [0], [n]
+    else:
+        cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
+        starts = [0] + cuts.tolist()
+        stops = cuts.tolist() + [n]
+    step = np.diff(vrow) == 1
+    for a, b in zip(starts, stops):
+        mk, g = views[int(group[a])]
+        if b - a > 1 and step[a:b - 1].all():
+            pread_into(mk.fd, dst[a:b], mk.view_offset[g] + int(vrow[a]) * mk.row_bytes)
+        else:
+            np.take(mk.views[g], vrow[a:b], axis=0, out=dst[a:b], mode="clip")  # indices are valid
