@@ -45,7 +45,7 @@ from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
     FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
 )
-from hpctrain.data.mapped import MappedKey, gather, map_dataset, open_map
+from hpctrain.data.mapped import CopyJob, MappedKey, gather_tasks, map_dataset, open_map
 from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, locate, plan_epoch, read_runs
 
 log = logging.getLogger("hpctrain.data")
@@ -345,15 +345,19 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
 
     # -- reading ----------------------------------------------------------------------
     def _read_window(self, ids: np.ndarray, staging: Dict[str, np.ndarray], pool: "_WindowPool"
-                     ) -> Tuple[Dict[str, np.ndarray], Optional[Tuple[Dict[str, np.ndarray], np.ndarray, List[str]]]]:
+                     ) -> Tuple[Dict[str, np.ndarray], Optional[Tuple[Dict[str, np.ndarray], np.ndarray, List[str]]],
+                                CopyJob]:
         """Read the rows of ``ids`` (in plan order) into window arrays taken from ``pool``.
 
-        Returns ``(arrays, pending)``. ``pending`` is None when every key is in place, or
-        ``(staging, rows, keys)``: those keys were read into the reused ``staging`` buffers
-        and still need the in-memory shuffle ``arrays[k] = staging[k][rows]``
-        (:meth:`_arrange`, run by the consumer so that it overlaps the next read).
+        Returns ``(arrays, pending, job)``. ``job`` holds the copies of the memory-mapped
+        keys, not yet run: the caller publishes it and runs it (``job.work()``), and whoever
+        needs the window calls ``job.wait()``. ``pending`` is None when every other key is
+        in place, or ``(staging, rows, keys)``: those keys were read into the reused
+        ``staging`` buffers and still need the in-memory shuffle
+        ``arrays[k] = staging[k][rows]`` (:meth:`_arrange`, run by the consumer so that it
+        overlaps the next read).
 
-        Memory-mapped keys are gathered straight into ``arrays``. Other keys: ascending ids
+        Other keys than memory-mapped ones: ascending ids
         (``shuffle="block"`` sorts each window; ``shuffle=False``) covered by few runs are
         read straight into ``arrays`` with one HDF5 call per run; otherwise (in-window
         shuffle, strided, repeated padding ids) the sorted runs covering the ids are read
@@ -361,26 +365,28 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         """
         arrays = pool.take(len(ids))
         if not len(ids):
-            return arrays, None
+            return arrays, None, CopyJob([])
         files, rows = locate(ids, self.offsets)
         lo, hi = int(files.min()), int(files.max())
         touched = [lo] if lo == hi else np.unique(files).tolist()
         maps = {fi: self._mapped(fi) for fi in touched}
         hdf5_keys = []
+        tasks = []
         for key in self.keys:
             mks = [maps[fi][key] for fi in touched]
             if all(mk is not None for mk in mks):
                 which = files if len(touched) == 1 else np.searchsorted(np.array(touched), files)
-                gather(mks, which, rows, arrays[key])
+                tasks += gather_tasks(mks, which, rows, arrays[key])
             else:
                 hdf5_keys.append(key)
+        job = CopyJob(tasks)
         if not hdf5_keys:
-            return arrays, None
+            return arrays, None, job
         if np.all(ids[1:] > ids[:-1]):
             runs = read_runs(ids, self.offsets, max_gap=0, ascending=True)
             if len(runs) <= max(1, len(ids) // 16):  # not e.g. strided ids: one read per sample
                 self._read_runs(runs, arrays, hdf5_keys)
-                return arrays, None
+                return arrays, None, job
         runs = read_runs(ids, self.offsets, max_gap=self._gap)
         total = sum(hi - lo for _, lo, hi in runs)
         for key in hdf5_keys:
@@ -391,7 +397,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         where = self._read_runs(runs, staging, hdf5_keys)
         starts = np.array([self.offsets[fi] + lo for fi, lo, _ in runs], np.int64)
         run = np.searchsorted(starts, ids, side="right") - 1
-        return arrays, (staging, where[run] + (ids - starts[run]), hdf5_keys)
+        return arrays, (staging, where[run] + (ids - starts[run]), hdf5_keys), job
 
     def _read_runs(self, runs: List[Tuple[int, int, int]], out: Dict[str, np.ndarray], keys: Sequence[str]
                    ) -> np.ndarray:
@@ -481,7 +487,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         if self.prefetch == 0:
             staging: Dict[str, np.ndarray] = {}
             for s0, s1 in windows:
-                arrays, pending = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                arrays, pending, job = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                job.wait()
                 arrays = self._arrange(arrays, pending)
                 del pending
                 yield from self._batches(plan, (s0, s1), arrays, mask, index)
@@ -506,8 +513,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     staging = free.get()
                     if stop.is_set():
                         return
-                    arrays, pending = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
-                    ready.put(((s0, s1), arrays, pending, staging))
+                    arrays, pending, job = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                    # Published before it is copied: a consumer waiting for it helps copy.
+                    ready.put(((s0, s1), arrays, pending, staging, job))
+                    job.work()
                 ready.put(done)
             except BaseException as exc:  # handed to the consumer, raised there
                 ready.put(exc)
@@ -521,8 +530,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                window, arrays, pending, staging = item
+                window, arrays, pending, staging, job = item
                 item = None
+                job.wait()
+                job = None
                 arrays = self._arrange(arrays, pending)
                 pending = None
                 free.put(staging)  # gathered (or never used): the producer may refill it

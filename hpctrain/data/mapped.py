@@ -17,10 +17,12 @@ is checked against an HDF5 read of a few rows before it is used.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
+import threading
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import h5py
 import numpy as np
@@ -210,17 +212,67 @@ def map_dataset(dset: h5py.Dataset, mf: MappedFile) -> Tuple[Optional[MappedKey]
     return mk, ""
 
 
-def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[i] = row rows[i] of dataset maps[which[i]]``, as bytes; ``out`` is C-contiguous.
+TASK_BYTES = 1 << 20  # copy tasks of about this size: a waiting consumer can take a share
+
+
+class CopyJob:
+    """A window's copies as small tasks that several threads may run together.
+
+    The prefetch thread publishes the job, then works through it; a consumer that would
+    otherwise wait for this window joins in (:meth:`work`) instead of idling. Each task is
+    a GIL-free ``preadv`` or ``numpy.take``, so two threads copy at once.
+    """
+
+    def __init__(self, tasks: List[Callable[[], None]]) -> None:
+        self.tasks = tasks
+        self._next = 0
+        self._left = len(tasks)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.error: Optional[BaseException] = None
+        if not tasks:
+            self._done.set()
+
+    def work(self) -> None:
+        """Run unclaimed tasks until none is left."""
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self.tasks):
+                    return
+                self._next = i + 1
+            try:
+                self.tasks[i]()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                if self.error is None:
+                    self.error = exc
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self._done.set()
+
+    def wait(self) -> None:
+        """Help, then block until every task has finished; raise the first task's error."""
+        self.work()
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def gather_tasks(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray
+                 ) -> List[Callable[[], None]]:
+    """Tasks that copy ``out[i] = row rows[i] of dataset maps[which[i]]`` (as bytes; ``out``
+    is C-contiguous).
 
     The window is cut into stretches of consecutive samples that lie in one view of a map.
-    A stretch of consecutive rows (block order, file order) is read with one ``preadv``
+    A stretch of consecutive rows (block order, file order) is read with ``preadv``
     straight into ``out``: a raw read, no page mapped. Any other stretch (shuffled rows,
-    padding repeats) is one ``numpy.take`` from the map. Both release the GIL.
+    padding repeats) is a ``numpy.take`` from the map. Stretches are split into tasks of
+    about :data:`TASK_BYTES`.
     """
     n = len(rows)
     if n == 0:
-        return
+        return []
     dst = out.reshape(n, -1).view(np.uint8)
     if len(maps) == 1:
         group, vrow = maps[0].locate(rows)
@@ -243,9 +295,24 @@ def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: 
         starts = [0] + cuts.tolist()
         stops = cuts.tolist() + [n]
     step = np.diff(vrow) == 1
+    per_task = max(1, TASK_BYTES // dst.shape[1])
+    tasks: List[Callable[[], None]] = []
     for a, b in zip(starts, stops):
         mk, g = views[int(group[a])]
         if b - a > 1 and step[a:b - 1].all():
-            pread_into(mk.fd, dst[a:b], mk.view_offset[g] + int(vrow[a]) * mk.row_bytes)
+            for lo in range(a, b, per_task):
+                hi = min(b, lo + per_task)
+                tasks.append(functools.partial(pread_into, mk.fd, dst[lo:hi],
+                                               mk.view_offset[g] + int(vrow[lo]) * mk.row_bytes))
         else:
-            np.take(mk.views[g], vrow[a:b], axis=0, out=dst[a:b], mode="clip")  # indices are valid
+            for lo in range(a, b, per_task):
+                hi = min(b, lo + per_task)
+                # mode="clip": indices are valid, and numpy then writes into out unbuffered
+                tasks.append(functools.partial(np.take, mk.views[g], vrow[lo:hi], 0, dst[lo:hi], "clip"))
+    return tasks
+
+
+def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """Run :func:`gather_tasks` here, in this thread."""
+    for task in gather_tasks(maps, which, rows, out):
+        task()
