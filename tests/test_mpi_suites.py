@@ -20,18 +20,24 @@ def declared(path: Path, name: str, default):
 
 
 def cases():
+    """Each file at each of its RANKS; and at each of its VARIANT_RANKS once per entry of its
+    VARIANTS (name → extra environment), e.g. the fall-back paths without the C extension."""
     for path in sorted(MPI_DIR.glob("test_*.py")):
         for n in declared(path, "RANKS", (1, 2)):
-            yield pytest.param(path, n, id=f"{path.stem}-np{n}")
+            yield pytest.param(path, n, {}, id=f"{path.stem}-np{n}")
+        for name, env in declared(path, "VARIANTS", {}).items():
+            for n in declared(path, "VARIANT_RANKS", (2,)):
+                yield pytest.param(path, n, env, id=f"{path.stem}-{name}-np{n}")
 
 
-@pytest.mark.parametrize("path,n", list(cases()))
-def test_mpi_file(path: Path, n: int):
+@pytest.mark.parametrize("path,n,env", list(cases()))
+def test_mpi_file(path: Path, n: int, env: dict):
     timeout = declared(path, "TIMEOUT", 240)
     result = run_mpi(
         n,
         python_argv("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path.relative_to(ROOT))),
         timeout=timeout,
-        env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60"},
+        env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60", **env},
     )
-    assert result.returncode == 0, f"{path.name} at {n} ranks failed (rc={result.returncode}):\n{result.stdout[-8000:]}"
+    assert result.returncode == 0, (f"{path.name} at {n} ranks {env or ''} failed (rc={result.returncode}):\n"
+                                    f"{result.stdout[-8000:]}")

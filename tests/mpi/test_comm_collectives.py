@@ -10,10 +10,14 @@ from hpctrain import comm
 
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 400
+# without shared-memory flags (no C extension, or HPCTRAIN_SHM_FLAGS=0): MPI barriers, the
+# coordinator's agreement check and native small all-reduces
+VARIANTS = {"noflags": {"HPCTRAIN_SHM_FLAGS": "0"}}
+VARIANT_RANKS = (3,)
 
 comm.init()
 N, R = comm.size(), comm.rank()
-LENGTHS = sorted({0, 1, max(N - 1, 0), N + 1, 1000003})
+LENGTHS = sorted({0, 1, max(N - 1, 0), N + 1, 65536, 1000003})  # 65536 float32: the largest flag exchange
 DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint8"]
 ALGOS = ["native", "ring", "shm", "hierarchical", "auto"]
 
@@ -168,6 +172,31 @@ def test_mismatched_shapes_raise_on_every_rank():
     with pytest.raises(comm.CollectiveMismatchError, match="float32"):
         comm.allreduce(np.ones(4, dtype=np.float32 if R == 0 else np.float64))
     comm.barrier()  # and the group still works afterwards
+
+
+def test_small_allreduce_against_another_collective_raises_on_every_rank():
+    """One rank in a small (flag-exchange) all-reduce, the others in a broadcast: both paths
+    run the agreement check, so every rank gets the same error instead of a hang."""
+    if N < 2:
+        return
+    with pytest.raises(comm.CollectiveMismatchError) as info:
+        if R == 0:
+            comm.allreduce_(np.ones(8, dtype=np.float32))
+        else:
+            comm.broadcast_(np.ones(8, dtype=np.float32))
+    assert "ranks 0 called allreduce(sum, float32, 8 elements" in str(info.value)
+    assert "called broadcast(float32, 8 elements" in str(info.value)
+    out = comm.allreduce(np.full(3, R, dtype=np.int64))  # and the group still works afterwards
+    np.testing.assert_array_equal(out, np.full(3, sum(range(N))))
+
+
+def test_small_messages_take_the_flag_exchange_when_built():
+    from hpctrain.comm import shmsync
+
+    flags = N > 1 and shmsync.available()
+    assert comm.choose_algorithm(4096) == ("shm" if flags else "native")
+    assert comm.choose_algorithm(4096, dtype="float16") == "native"  # no C kernel: MPI
+    assert comm.choose_algorithm(1 << 20) == "native"
 
 
 @pytest.mark.parametrize("algo", ["auto", "shm", "hierarchical"])

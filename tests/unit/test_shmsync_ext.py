@@ -1,0 +1,110 @@
+"""The shared-memory flag exchange (C extension) in one process: the peers' regions are plain
+memory that the test fills in as a peer would, so every outcome is checked without mpiexec."""
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from hpctrain.comm import plan, shmsync
+from hpctrain.comm.buffers import DTYPE_CODES
+
+_shmsync = pytest.importorskip("hpctrain.comm._shmsync", reason="C extension not built (no compiler at install)")
+SLOT = 4096
+
+
+def regions(n):
+    mem = [np.zeros(_shmsync.REGION_HEADER_BYTES + 2 * SLOT, dtype=np.uint8) for _ in range(n)]
+    return mem, [m.ctypes.data for m in mem]
+
+
+def peer_posts(mem, seq, data=None, header=None):
+    """What a peer's exchange number ``seq`` writes: header, data slot, then its flag."""
+    parity = seq & 1
+    if header is not None:
+        mem[128 + 64 * parity:128 + 64 * (parity + 1)] = np.frombuffer(header, dtype=np.uint8)
+    if data is not None:
+        raw = np.ascontiguousarray(data).view(np.uint8)
+        start = _shmsync.REGION_HEADER_BYTES + parity * SLOT
+        mem[start:start + raw.size] = raw
+    mem[:8] = np.frombuffer(struct.pack("<Q", seq), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint16", "int32", "int64", "uint64", "float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "prod"])
+def test_small_allreduce_matches_numpy_in_rank_order(dtype, op):
+    rng = np.random.default_rng(7)
+    n = 3
+    mem, addrs = regions(n)
+    ctx = _shmsync.Ctx(addrs, 1, SLOT, 0)
+    data = [rng.integers(1, 5, size=37).astype(dtype) for _ in range(n)]
+    for q in (0, 2):
+        peer_posts(mem[q], 1, data[q])
+    mine = data[1].copy()
+    assert ctx.exchange(None, mine, DTYPE_CODES[dtype], shmsync.OP_CODES[op], 1.0) == shmsync.ST_OK
+    kernel = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}[op]
+    expected = data[0].copy()
+    for q in (1, 2):
+        kernel(expected, data[q], out=expected)
+    if op == "avg":
+        expected = (np.trunc(expected / n) if np.dtype(dtype).kind in "iu" else expected / np.dtype(dtype).type(n))
+    np.testing.assert_array_equal(mine, expected.astype(dtype))
+    assert ctx.seq == 1
+
+
+def test_second_exchange_uses_the_other_parity_and_waits_for_every_flag():
+    mem, addrs = regions(2)
+    ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
+    for seq, value in ((1, 10.0), (2, 20.0)):
+        peer_posts(mem[1], seq, np.full(4, value, dtype=np.float32))
+        x = np.ones(4, dtype=np.float32)
+        assert ctx.exchange(None, x, DTYPE_CODES["float32"], shmsync.OP_CODES["sum"], 1.0) == 0
+        np.testing.assert_array_equal(x, np.full(4, value + 1))
+
+
+def test_timeout_names_the_missing_rank():
+    mem, addrs = regions(3)
+    ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
+    peer_posts(mem[2], 1)
+    t0 = time.monotonic()
+    assert ctx.exchange(None, None, 0, 0, 0.2) == shmsync.ST_TIMEOUT
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert ctx.missing() == [1]
+
+
+def test_header_mismatch_is_reported_and_headers_readable():
+    mem, addrs = regions(2)
+    ctx = _shmsync.Ctx(addrs, 1, SLOT, 0)
+    theirs = shmsync.HEADER.pack(1, 0, 1, 11, 10, 3, 0, 0)
+    mine = shmsync.HEADER.pack(1, 0, 1, 11, 12, 3, 0, 0)
+    peer_posts(mem[0], 1, header=theirs)
+    x = np.ones(12, dtype=np.float32)
+    assert ctx.exchange(mine, x, DTYPE_CODES["float32"], 0, 1.0) == shmsync.ST_MISMATCH
+    np.testing.assert_array_equal(x, np.ones(12))  # nothing reduced
+    headers = np.empty((2, 8), dtype=np.int64)
+    ctx.headers(headers)
+    assert headers[0, 4] == 10 and headers[1, 4] == 12
+
+
+def test_rejects_oversized_and_unsupported_input():
+    _, addrs = regions(1)
+    ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
+    with pytest.raises(ValueError, match="bytes > slot"):
+        ctx.exchange(None, np.ones(SLOT, dtype=np.float32), DTYPE_CODES["float32"], 0, 1.0)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ctx.exchange(None, np.ones(4, dtype=np.float16), DTYPE_CODES["float16"], 0, 1.0)
+    with pytest.raises(ValueError, match="rank"):
+        _shmsync.Ctx(addrs, 1, SLOT, 0)
+    assert ctx.seq == 0  # a refused call publishes nothing
+
+
+def test_choose_algorithm_routes_small_messages_to_the_flag_exchange():
+    one_node = plan.topology_from_keys([0, 0])
+    two_nodes = plan.topology_from_keys([0, 0, 2, 2])
+    assert plan.choose_algorithm(4096, one_node, small_shm=256 << 10) == "shm"
+    assert plan.choose_algorithm(256 << 10, one_node, small_shm=256 << 10) == "shm"
+    assert plan.choose_algorithm((256 << 10) + 1, one_node, small_shm=256 << 10) == "native"
+    assert plan.choose_algorithm(4096, one_node, small_shm=0) == "native"
+    assert plan.choose_algorithm(0, one_node, small_shm=256 << 10) == "native"
+    assert plan.choose_algorithm(4096, two_nodes, small_shm=256 << 10) == "native"
+    assert plan.choose_algorithm(4096, one_node, "ring", small_shm=256 << 10) == "ring"
