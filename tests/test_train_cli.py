@@ -167,3 +167,47 @@ def test_preemption_signal_on_one_rank_checkpoints_and_resume_finishes(data, tmp
                         "--set", "debug.slow_ms=0"], timeout=180)
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"at step {stopped_at + 5}" in again.stdout
+
+
+PIPELINE = "parallel: {pipeline_stages: 2, micro_batches: 4, schedule: 1f1b}"
+
+
+def test_pipeline_dry_run_counts_replicas_and_rejects_bad_input(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", PIPELINE)
+    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "4"])
+    assert r.returncode == 0, r.stderr
+    assert "pipeline: 4 ranks = 2 data-parallel replica(s) x 2 stages" in r.stdout and "ranks: 2" in r.stdout
+    assert "global batch 32" in r.stdout
+    for ranks, needle in (("3", "world size 3 is not divisible by the 2 pipeline stages"),
+                          ("1", "2 pipeline stages need at least 2 ranks")):
+        r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", ranks])
+        assert r.returncode == 2 and needle in r.stderr and "HINT" in r.stderr, r.stderr
+    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", "--set", "parallel.split_points=[9]"])
+    assert r.returncode == 2 and "split points [9] out of range" in r.stderr, r.stderr
+    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", "--set", "parallel.micro_batches=32"])
+    assert r.returncode == 2 and "cannot be cut into parallel.micro_batches=32" in r.stderr, r.stderr
+
+
+def test_pipeline_more_stages_than_ranks_fails_before_training(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run",
+                       "parallel: {pipeline_stages: 3, micro_batches: 4}")
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg)], timeout=120)
+    assert r.returncode == 2, r.stdout[-3000:]
+    assert r.stdout.count("3 pipeline stages need at least 3 ranks (one per stage), but the job has 2") == 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_pipeline_train_and_merge_from_the_shell(data, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", PIPELINE)
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--set", "steps=10"], timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:]
+    ckpt_dir = tmp_path / "run" / "checkpoints" / "pipeline-000000010"
+    assert f"checkpoint: {ckpt_dir}" in r.stdout and "status: completed at step 10" in r.stdout
+    out = tmp_path / "model.pt"
+    m = run(python_argv("-m", "hpctrain.parallel.checkpoint", "merge", str(ckpt_dir), "-o", str(out)))
+    assert m.returncode == 0, m.stderr
+    import torch
+
+    from hpctrain.train.models import mlp
+
+    mlp(hidden=[32], input_scale=0.0625).load_state_dict(torch.load(out))

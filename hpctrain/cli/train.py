@@ -121,6 +121,13 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
             world, rank = comm.size(), comm.rank()
     try:
         plan = Trainer(cfg, resume=args.resume).make_plan(world)
+        if cfg.parallel and int(cfg.parallel.get("pipeline_stages", 1)) > 1:
+            # a pipeline needs a model it can split: build it once (no communication) and check
+            from hpctrain.train.pipeline import check_model, parallel_config
+            from hpctrain.train.trainer import import_factory
+
+            check_model(parallel_config(cfg), import_factory(cfg.model.factory)(**cfg.model.kwargs), world,
+                        cfg.model.factory)
     except (ConfigError, DataError) as exc:
         if rank == 0:
             print(f"hpctrain train --dry-run: {exc}", file=sys.stderr)

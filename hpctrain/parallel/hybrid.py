@@ -132,5 +132,5 @@ def distributed_optimizer(pipe: Any, optimizer: torch.optim.Optimizer, **kwargs:
     hvd.init()  # idempotent; DistributedOptimizer requires it
     kwargs.setdefault("backward_passes_per_step", pipe.micro_batches)
     kwargs.setdefault("overlap", False)
-    return hvd.DistributedOptimizer(optimizer, named_parameters=list(pipe.named_parameters()), process_set=group,
-                                    **kwargs)
+    kwargs.setdefault("named_parameters", list(pipe.named_parameters()))
+    return hvd.DistributedOptimizer(optimizer, process_set=group, **kwargs)

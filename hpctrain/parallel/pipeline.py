@@ -468,7 +468,11 @@ class PipelineModule:
                     losses.pop(m).backward()
                 else:
                     g = pending_grad.pop(m)
-                    outputs.pop(m).backward(g if dev is None else g.to(dev))
+                    out = outputs.pop(m)
+                    # A first stage without parameters (Flatten, scaling, …) has an output that
+                    # needs no gradient: nothing to do, but the gradient was still received.
+                    if out.requires_grad:
+                        out.backward(g if dev is None else g.to(dev))
                 self._after_backward(m, inputs, grads_out, meter)
                 in_flight -= 1
                 compute += time.perf_counter() - t0

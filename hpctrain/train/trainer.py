@@ -282,7 +282,20 @@ class Trainer:
         np.random.seed((cfg.seed + 7919 * (rank + 1)) % 2**32)
         random.seed(cfg.seed * 31 + rank)
 
-        inner = self._make_optimizer(model, plan.lr)
+        named = list(model.named_parameters())
+        if pipe is not None and not any(p.requires_grad for _, p in named):
+            # A stage without trainable parameters (only Flatten, pooling, activations, …).
+            # torch optimizers refuse an empty list; a zero-size placeholder keeps one code path
+            # (param_groups for the lr, state_dict for checkpoints) at no cost. It lives outside
+            # the stage module, so checkpoints and the merged state_dict do not contain it.
+            placeholder = torch.nn.Parameter(torch.zeros(0, device=device))
+            named = [("pipeline.stage%d.placeholder" % pipe.stage, placeholder)]
+            log.warning("pipeline stage %d (rank %d) holds no trainable parameters (layers %s)\n"
+                        "HINT: set parallel.split_points to give every stage some work", pipe.stage, rank,
+                        pipe.layer_names)
+            inner = make_optimizer(cfg, [placeholder], plan.lr)
+        else:
+            inner = self._make_optimizer(model, plan.lr)
         strategy = cfg.sync.strategy
         if strategy == "parameter_server":
             strategy = f"parameter_server:{cfg.sync.server_rank}"
@@ -294,7 +307,7 @@ class Trainer:
             # Each stage's gradients are averaged over its data-parallel group; one backward
             # pass per micro-batch, k batches per step.
             opt = distributed_optimizer(
-                pipe, inner, compression=getattr(hvd.Compression, cfg.sync.compression),
+                pipe, inner, named_parameters=named, compression=getattr(hvd.Compression, cfg.sync.compression),
                 backward_passes_per_step=cfg.sync.backward_passes_per_step * pipe.micro_batches,
                 fusion_threshold=cfg.sync.fusion_threshold)
         else:

@@ -293,3 +293,35 @@ def test_stage_starting_with_an_in_place_layer():
     ref_params = dict(ref.named_parameters())
     for n, p in pipe.named_parameters():
         assert rel(p.grad, ref_params[n].grad) <= TOL, n
+
+
+def test_first_stage_without_parameters_and_unweighted_loss():
+    """Stage 0 is only Flatten (its output needs no gradient); the loss is a sum normalised by
+    the global batch (rows_weighted=False), as the runner uses it."""
+    def net():
+        torch.manual_seed(6)
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(10, 3))
+
+    rows = 6
+    x, y = global_batch(11, DP * rows)
+    ref = net()
+    (CE(ref(x), y, reduction="sum") / (DP * rows)).backward()
+    pipe = PipelineModule(net(), stages=S, micro_batches=3, split_points=[1])
+    lo = pipe.replica * rows
+    loss = pipe.train_step(x[lo:lo + rows], y[lo:lo + rows], lambda out, t: CE(out, t, reduction="sum") / rows,
+                           rows_weighted=False)
+    with torch.no_grad():
+        expect = float(CE(net()(x[lo:lo + rows]), y[lo:lo + rows]))
+    assert float(loss) == pytest.approx(expect, rel=1e-5)  # the micro-batch values summed
+    assert (list(pipe.parameters()) == []) == pipe.is_first
+    if not pipe.is_first:
+        import hpctrain.torch as hvd
+
+        # only the ranks of the last stage: its data-parallel group averages
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.1),
+                                       named_parameters=pipe.named_parameters(),
+                                       process_set=pipe.data_parallel_group, backward_passes_per_step=3)
+        opt.synchronize()
+        ref_params = dict(ref.named_parameters())
+        for n, p in pipe.named_parameters():
+            assert rel(p.grad, ref_params[n].grad) <= TOL, n
