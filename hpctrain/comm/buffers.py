@@ -5,7 +5,6 @@ numpy lacks) travels as its 16-bit pattern and is reduced with torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import numpy as np
@@ -13,21 +12,25 @@ import numpy as np
 OPS = ("sum", "avg", "min", "max", "prod")
 
 
-@dataclass(frozen=True)
 class Flat:
-    """A flat, contiguous numpy view of the user's data and how to rebuild its type."""
+    """A flat, contiguous numpy view of the user's data and how to rebuild its type.
 
-    array: np.ndarray  # 1-D, C-contiguous; bfloat16 as uint16 bit patterns
-    shape: tuple
-    dtype_name: str  # 'float32', 'bfloat16', …
-    is_torch: bool
+    A plain class with slots (not a frozen dataclass): one is built per collective call."""
+
+    __slots__ = ("array", "shape", "dtype_name", "is_torch")
+
+    def __init__(self, array: np.ndarray, shape: tuple, dtype_name: str, is_torch: bool) -> None:
+        self.array = array  # 1-D, C-contiguous; bfloat16 as uint16 bit patterns
+        self.shape = shape
+        self.dtype_name = dtype_name  # 'float32', 'bfloat16', …
+        self.is_torch = is_torch
 
     @property
     def bf16(self) -> bool:
         return self.dtype_name == "bfloat16"
 
 
-_NAMES: Dict[Any, str] = {}
+_NAMES: Dict[Any, str] = {}  # numpy dtype → name, for the numeric dtypes seen so far
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -46,41 +49,58 @@ def flatten(x: Any, *, writable: bool = False, what: str = "collective") -> Flat
 
     Raises a ValueError naming the problem for non-contiguous, non-CPU or unsupported input.
     """
+    if type(x) is np.ndarray:
+        return _flatten_numpy(x, writable, what)
     if is_torch_tensor(x):
-        import torch
-
-        if x.device.type != "cpu":
-            raise ValueError(
-                f"{what}: hpctrain.comm takes CPU tensors, got one on {x.device}. "
-                "HINT: use hpctrain.torch, which stages GPU tensors, or call .cpu() first."
-            )
-        if not x.is_contiguous():
-            raise ValueError(f"{what}: tensor is not contiguous. HINT: pass x.contiguous()")
-        if x.is_sparse:
-            raise ValueError(f"{what}: sparse tensors are not supported. HINT: pass x.to_dense()")
-        t = x.detach()
-        if t.dtype == torch.bfloat16:
-            arr = t.view(torch.int16).numpy().view(np.uint16)
-            name = "bfloat16"
-        elif t.dtype == torch.bool:
-            arr = t.numpy().view(np.uint8)
-            name = "bool"
-        else:
-            arr = t.numpy()
-            name = _dtype_name(arr.dtype)
-        return Flat(arr.reshape(-1), tuple(x.shape), name, True)
+        return _flatten_torch(x, what)
     if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
-            if writable:
-                raise ValueError(f"{what}: array is not C-contiguous. HINT: pass np.ascontiguousarray(x)")
-            x = np.ascontiguousarray(x)
-        if x.dtype.kind not in "biufc":
-            raise ValueError(f"{what}: dtype {x.dtype} is not numeric")
-        arr = x.view(np.uint8) if x.dtype == np.bool_ else x
-        return Flat(arr.reshape(-1), x.shape, _dtype_name(x.dtype), False)
+        return _flatten_numpy(x, writable, what)
     if np.isscalar(x):
         return flatten(np.asarray(x), writable=writable, what=what)
     raise TypeError(f"{what}: expected a numpy array or a CPU torch tensor, got {type(x).__name__}")
+
+
+def _flatten_numpy(x: np.ndarray, writable: bool, what: str) -> Flat:
+    if not x.flags.c_contiguous:
+        if writable:
+            raise ValueError(f"{what}: array is not C-contiguous. HINT: pass np.ascontiguousarray(x)")
+        x = np.ascontiguousarray(x)
+    name = _NAMES.get(x.dtype)
+    if name is None:
+        if x.dtype.kind not in "biufc":
+            raise ValueError(f"{what}: dtype {x.dtype} is not numeric")
+        name = _dtype_name(x.dtype)
+    arr = x.view(np.uint8) if name == "bool" else x
+    return Flat(arr if arr.ndim == 1 else arr.reshape(-1), x.shape, name, False)
+
+
+_TORCH_NAMES: Dict[Any, str] = {}  # torch dtype → name
+
+
+def _flatten_torch(x: Any, what: str) -> Flat:
+    import torch
+
+    if not x.is_cpu:
+        raise ValueError(
+            f"{what}: hpctrain.comm takes CPU tensors, got one on {x.device}. "
+            "HINT: use hpctrain.torch, which stages GPU tensors, or call .cpu() first."
+        )
+    if x.is_sparse:
+        raise ValueError(f"{what}: sparse tensors are not supported. HINT: pass x.to_dense()")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: tensor is not contiguous. HINT: pass x.contiguous()")
+    t = x.detach()
+    dtype = t.dtype
+    if dtype == torch.bfloat16:
+        arr = t.view(torch.int16).numpy().view(np.uint16)
+        name = "bfloat16"
+    elif dtype == torch.bool:
+        arr = t.numpy().view(np.uint8)
+        name = "bool"
+    else:
+        arr = t.numpy()
+        name = _dtype_name(arr.dtype)
+    return Flat(arr if arr.ndim == 1 else arr.reshape(-1), tuple(x.shape), name, True)
 
 
 def empty_like_flat(flat: Flat, length: Optional[int] = None) -> np.ndarray:

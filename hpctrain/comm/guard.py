@@ -49,12 +49,17 @@ def agree_or_count(group, header_fn, dog) -> None:
         group.seq += 1
 
 
+_OP_INDEX = {name: i for i, name in enumerate(_OP_NAMES)}
+_RED_INDEX = {name: i for i, name in enumerate(_RED_NAMES)}
+_ALGO_INDEX = {name: i for i, name in enumerate(_ALGO_NAMES)}
+
+
 def reduction_index(op: str) -> int:
-    return _RED_NAMES.index(op)
+    return _RED_INDEX[op]
 
 
 def algorithm_index(algorithm: str) -> int:
-    return _ALGO_NAMES.index(algorithm)
+    return _ALGO_INDEX[algorithm]
 
 
 def shape_code(shape: Sequence[int]) -> int:
@@ -63,8 +68,8 @@ def shape_code(shape: Sequence[int]) -> int:
 
 def make_header(seq: int, op: str, reduction: str = "-", dtype: str = "", count: int = -1,
                 algorithm: str = "-", extra: int = 0) -> np.ndarray:
-    return np.array([seq, _OP_NAMES.index(op), _RED_NAMES.index(reduction),
-                     DTYPE_CODES.get(dtype, -1), count, _ALGO_NAMES.index(algorithm), extra], dtype=np.int64)
+    return np.array((seq, _OP_INDEX[op], _RED_INDEX[reduction], DTYPE_CODES.get(dtype, -1), count,
+                     _ALGO_INDEX[algorithm], extra), dtype=np.int64)
 
 
 def describe_header(h: Sequence[int]) -> str:
