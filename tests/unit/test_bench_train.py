@@ -60,12 +60,14 @@ def _row(model, competitor, ranks, step, **extra):
 
 def test_table_and_targets():
     rows = [_row("mlp", "plain", 1, 0.100), _row("mlp", "hpctrain", 1, 0.102, compute_s=0.1, wait_s=0.0),
-            _row("mlp", "plain", 2, 0.104), _row("mlp", "hpctrain", 2, 0.110, compute_s=0.1, wait_s=0.01, comm_s=0.02),
-            _row("mlp", "ddp-gloo", 2, 0.200), _row("mlp", "horovod", 2, 0.180)]
+            _row("mlp", "plain", 2, 0.104), _row("mlp", "hpctrain", 2, 0.110, compute_s=0.1, wait_s=0.01, comm_s=0.02,
+                                             cpu_s=0.1),
+            _row("mlp", "ddp-gloo", 2, 0.200), _row("mlp", "horovod", 2, 0.180, cpu_s=0.2)]
     lines = target_lines(rows, 2)
     text = "\n".join(lines)
     assert "hpctrain / DDP-Gloo step (2 rank(s)) 0.550" in text and "met" in text
-    assert "hpctrain / Horovod step (2 rank(s)) 0.611  target <= 0.55 #10 (#3: <= 0.5): NOT met" in text
+    assert "hpctrain / DDP-Gloo step (2 rank(s)) 0.550  target" in text
+    assert "hpctrain / Horovod step (2 rank(s)) 0.611 (CPU per step: 0.500)  target <= 0.55 #10 (#3: <= 0.5): NOT met" in text
     assert "hpctrain scaling efficiency (2 vs 1 rank(s)) 90.9%  target >= 90% #10: met" in text
     assert "hpctrain 1-rank overhead (1 rank(s)) +2.0%  target <= 3% #3, #10: met" in text
     buf = StringIO()
@@ -73,7 +75,7 @@ def test_table_and_targets():
     table = buf.getvalue()
     assert "malloc: x" in table
     hp2 = next(line for line in table.splitlines() if line.split()[:3] == ["2", "mlp", "hpctrain"])
-    assert hp2.split()[3:8] == ["110.0", "1.0", "1164", "91%", "100.0"]
+    assert hp2.split()[3:12] == ["110.0", "1.0", "1164", "91%", "100.0", "10.0", "20.0", "100.0", "-"]
 
 
 def test_targets_skip_missing_rows_and_single_rank_runs():
