@@ -590,7 +590,9 @@ class Trainer:
                                     "straggler: rank %d is %.0f%% slower than the median (%.1f ms vs %.1f ms "
                                     "busy per step) for %d intervals%s", rep["rank"], 100 * rep["slower_by"],
                                     1e3 * rep["busy"], 1e3 * rep["median"], cfg.straggler_patience,
-                                    "" if cfg.balance == "auto" else "; HINT: balance: auto re-weights the data")
+                                    "" if cfg.balance == "auto" else
+                                    "; HINT: balance the stages with parallel.split_points (or balance: time)"
+                                    if pipe is not None else "; HINT: balance: auto re-weights the data")
                             metrics.write({"kind": "event", "step": step, "what": "straggler", **rep})
                         interval_rows = []
                     stop_now = bool(rows[:, _G_STOP].any())

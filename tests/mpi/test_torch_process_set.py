@@ -10,7 +10,7 @@ import hpctrain.torch as hvd
 from hpctrain import comm
 
 RANKS = (2, 4)
-TIMEOUT = 120
+TIMEOUT = 240
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
