@@ -25,6 +25,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define FLAG_OFF 0
 #define HDR_OFF 128
@@ -155,6 +158,124 @@ static int itemsize_of(int dtype) {
     case DT_I64: case DT_U64: case DT_F64: return 8;
     default: return 0;
     }
+}
+
+/* ------------------------------------------------------------------ zero-copy slice reduction
+ * reduce_to_all(dsts, srcs, count, dtype, op, divisor, nontemporal): for every element i of
+ * the slice, acc = srcs[0][i] op srcs[1][i] op ... (rank order), divided by `divisor` when
+ * op is avg, stored into every dsts[k][i]. One pass, block by block through an L1-sized
+ * accumulator, so each source is read once and each destination written once; with
+ * `nontemporal`, destinations are written with streaming stores (no read-for-ownership of
+ * lines that are fully overwritten: a third less memory traffic once buffers exceed L3). */
+#define BLOCK_BYTES 8192
+
+static void store_block(char *dst, const char *src, size_t bytes, int nontemporal) {
+#if defined(__SSE2__)
+    if (nontemporal) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        if (head > bytes) head = bytes;
+        memcpy(dst, src, head);
+        size_t i = head;
+        for (; i + 16 <= bytes; i += 16)
+            _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        memcpy(dst + i, src + i, bytes - i);
+        return;
+    }
+#else
+    (void)nontemporal;
+#endif
+    memcpy(dst, src, bytes);
+}
+
+#define SLICE_LOOP(T, EXPR)                                                            \
+    do {                                                                               \
+        T acc[BLOCK_BYTES / sizeof(T)];                                                \
+        const Py_ssize_t B = BLOCK_BYTES / sizeof(T);                                  \
+        for (Py_ssize_t start = 0; start < count; start += B) {                        \
+            Py_ssize_t m = count - start < B ? count - start : B;                      \
+            memcpy(acc, (const T *)srcs[0] + start, m * sizeof(T));                    \
+            for (int q = 1; q < nsrc; q++) {                                           \
+                const T *restrict s = (const T *)srcs[q] + start;                      \
+                for (Py_ssize_t i = 0; i < m; i++) { T a = acc[i], b = s[i]; acc[i] = (EXPR); } \
+            }                                                                          \
+            if (op == OP_AVG && divisor > 1)                                           \
+                for (Py_ssize_t i = 0; i < m; i++) acc[i] = (T)(acc[i] / (T)divisor);  \
+            for (int k = 0; k < ndst; k++)                                             \
+                store_block((char *)((T *)dsts[k] + start), (const char *)acc, m * sizeof(T), nontemporal); \
+        }                                                                              \
+    } while (0)
+
+#define SLICE_TYPE(T)                                                                  \
+    do {                                                                               \
+        switch (op) {                                                                  \
+        case OP_SUM: case OP_AVG: SLICE_LOOP(T, a + b); break;                         \
+        case OP_PROD: SLICE_LOOP(T, a * b); break;                                     \
+        case OP_MIN: SLICE_LOOP(T, b < a ? b : a); break;                              \
+        case OP_MAX: SLICE_LOOP(T, b > a ? b : a); break;                              \
+        }                                                                              \
+    } while (0)
+
+static void reduce_slices(char **dsts, int ndst, char **srcs, int nsrc, Py_ssize_t count, int dtype, int op,
+                          long divisor, int nontemporal) {
+    switch (dtype) {
+    case DT_I8: SLICE_TYPE(int8_t); break;
+    case DT_U8: SLICE_TYPE(uint8_t); break;
+    case DT_I16: SLICE_TYPE(int16_t); break;
+    case DT_U16: SLICE_TYPE(uint16_t); break;
+    case DT_I32: SLICE_TYPE(int32_t); break;
+    case DT_U32: SLICE_TYPE(uint32_t); break;
+    case DT_I64: SLICE_TYPE(int64_t); break;
+    case DT_U64: SLICE_TYPE(uint64_t); break;
+    case DT_F32: SLICE_TYPE(float); break;
+    case DT_F64: SLICE_TYPE(double); break;
+    }
+#if defined(__SSE2__)
+    if (nontemporal) _mm_sfence();  /* streaming stores are weakly ordered: fence before any flag */
+#endif
+}
+
+static int addresses(PyObject *obj, char ***out, int *n) {
+    PyObject *seq = PySequence_Fast(obj, "expected a sequence of addresses");
+    if (!seq) return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    char **addr = PyMem_Calloc(len ? len : 1, sizeof(char *));
+    if (!addr) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        addr[i] = (char *)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) { PyMem_Free(addr); Py_DECREF(seq); return -1; }
+    }
+    Py_DECREF(seq);
+    *out = addr;
+    *n = (int)len;
+    return 0;
+}
+
+static PyObject *reduce_to_all(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    Py_ssize_t count;
+    int dtype, op, nontemporal;
+    long divisor;
+    if (!PyArg_ParseTuple(args, "OOniilp", &dst_obj, &src_obj, &count, &dtype, &op, &divisor, &nontemporal))
+        return NULL;
+    if (itemsize_of(dtype) == 0 || op < OP_SUM || op > OP_PROD || count < 0) {
+        PyErr_Format(PyExc_ValueError, "reduce_to_all: unsupported dtype %d / op %d / count %zd", dtype, op, count);
+        return NULL;
+    }
+    char **dsts, **srcs;
+    int ndst, nsrc;
+    if (addresses(dst_obj, &dsts, &ndst) < 0) return NULL;
+    if (addresses(src_obj, &srcs, &nsrc) < 0) { PyMem_Free(dsts); return NULL; }
+    if (nsrc < 1) {
+        PyMem_Free(dsts); PyMem_Free(srcs);
+        PyErr_SetString(PyExc_ValueError, "reduce_to_all: need at least one source");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (count) reduce_slices(dsts, ndst, srcs, nsrc, count, dtype, op, divisor, nontemporal);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(dsts);
+    PyMem_Free(srcs);
+    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ Python type */
@@ -305,8 +426,14 @@ static PyTypeObject CtxType = {
     .tp_getset = Ctx_getset,
 };
 
+static PyMethodDef module_methods[] = {
+    {"reduce_to_all", reduce_to_all, METH_VARARGS,
+     "reduce_to_all(dst_addresses, src_addresses, count, dtype_code, op_code, divisor, nontemporal)"},
+    {NULL},
+};
+
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "_shmsync", "Shared-memory flag synchronisation for hpctrain.comm", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_shmsync", "Shared-memory flag synchronisation for hpctrain.comm", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__shmsync(void) {

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import plan
+from . import plan, shmsync
 from .buffers import finish_average, reduce_into
 from .watchdog import suffixed
 
@@ -260,6 +260,7 @@ class SharedBuffer:
             buf, _ = self.win.Shared_query(q)
             self.slots.append(np.frombuffer(buf, dtype=np.uint8)[:count * self.dtype.itemsize].view(self.dtype))
         self.array = self.slots[group.node_comm.Get_rank()]
+        self.addresses = [slot.__array_interface__["data"][0] for slot in self.slots]
         self.base = self.array.__array_interface__["data"][0]
         self.end = self.base + count * self.dtype.itemsize
 
@@ -296,8 +297,19 @@ def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, 
     """
     node = group.node_comm
     local_size, local_rank = node.Get_size(), node.Get_rank()
-    views = [s[offset:offset + count] for s in sbuf.slots]
     a, b = plan.chunk_bounds(count, local_size)[local_rank]
+    code = shmsync.kernel_dtype_code(dtype_name)
+    if code is not None and not (cross and group.cross_size > 1):
+        # one pass in C: my slice of every slot reduced and written into every slot
+        node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' data)"))
+        if b > a:
+            item = sbuf.dtype.itemsize
+            where = [base + (offset + a) * item for base in sbuf.addresses]
+            shmsync.reduce_to_all(where, where, b - a, code, op, group.size,
+                                  streaming=count * item * local_size > shmsync.STREAMING_BYTES)
+        node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' results)"))
+        return
+    views = [s[offset:offset + count] for s in sbuf.slots]
     mine = views[local_rank][a:b]
     red = "sum" if op == "avg" else op
     node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' data)"))

@@ -108,3 +108,25 @@ def test_choose_algorithm_routes_small_messages_to_the_flag_exchange():
     assert plan.choose_algorithm(0, one_node, small_shm=256 << 10) == "native"
     assert plan.choose_algorithm(4096, two_nodes, small_shm=256 << 10) == "native"
     assert plan.choose_algorithm(4096, one_node, "ring", small_shm=256 << 10) == "ring"
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("dtype", ["int16", "int64", "float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_reduce_to_all_writes_the_rank_order_reduction_into_every_slot(dtype, op, streaming):
+    rng = np.random.default_rng(3)
+    count = 70001  # several 8 KiB blocks and a ragged tail; odd offsets test unaligned stores
+    slots = [rng.integers(-50, 50, size=count + 3).astype(dtype) for _ in range(3)]
+    part = [s[3:] for s in slots]
+    kernel = {"sum": np.add, "avg": np.add, "max": np.maximum}[op]
+    expected = part[0].copy()
+    for p in part[1:]:
+        kernel(expected, p, out=expected)
+    if op == "avg":
+        expected = (np.trunc(expected / 3) if np.dtype(dtype).kind == "i" else expected / np.dtype(dtype).type(3))
+    heads = [s[:3].copy() for s in slots]
+    where = [p.ctypes.data for p in part]
+    shmsync.reduce_to_all(where, where, count, DTYPE_CODES[dtype], op, 3, streaming)
+    for s, head in zip(slots, heads):
+        np.testing.assert_array_equal(s[3:], expected.astype(dtype))
+        np.testing.assert_array_equal(s[:3], head)  # nothing written outside the slice
