@@ -205,6 +205,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self._dsets: Dict[int, Tuple[h5py.File, Dict[str, h5py.Dataset]]] = {}
         self._maps: Dict[int, Dict[str, Optional[MappedKey]]] = {}
         self._mmaps: Dict[int, Any] = {}
+        self._drivers: Dict[int, Optional[str]] = {}
         self._pid: Optional[int] = None
 
     # -- planning ---------------------------------------------------------------------
@@ -272,6 +273,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         state["_dsets"] = {}
         state["_maps"] = {}
         state["_mmaps"] = {}
+        state["_drivers"] = {}
         state["_pid"] = None
         return state
 
@@ -283,6 +285,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             self._dsets = {}
             self._maps = {}
             self._mmaps = {}
+            self._drivers = {}
             self._pid = pid
         f = self._handles.get(i)
         if f is None:
@@ -291,10 +294,12 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             if driver == "mpio":
                 from hpctrain import comm
 
+                comm.init()  # rank and size may have been given: MPI not started yet
                 f = open_h5(self.paths[i], "r", driver="mpio", comm=comm.world().comm)
             else:
                 f = open_h5(self.paths[i], "r")
             self._handles[i] = f
+            self._drivers[i] = driver
             self._maps.pop(i, None)
         return f
 
@@ -305,7 +310,9 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             return found
         dsets = self._datasets(i)
         found = {k: None for k in self.keys}
-        if self.memory_map and self._handles[i].driver == "sec2":
+        # The driver we opened with (h5py's File.driver would duplicate an mpio file's
+        # communicator: a collective call, not to be made by one rank's prefetch thread).
+        if self.memory_map and self._drivers.get(i) is None:
             mm = self._mmaps.get(i) or open_map(self.paths[i])
             if mm is not None:
                 self._mmaps[i] = mm
@@ -325,7 +332,9 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         return found[1]
 
     def close(self) -> None:
-        """Close the files opened by this process (they reopen on the next iteration)."""
+        """Close the files opened by this process (they reopen on the next iteration).
+
+        With ``driver="mpio"`` closing is collective: call it on every rank."""
         if self._pid == os.getpid():
             for f in self._handles.values():
                 try:
@@ -342,6 +351,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self._dsets = {}
         self._maps = {}
         self._mmaps = {}
+        self._drivers = {}
 
     # -- reading ----------------------------------------------------------------------
     def _read_window(self, ids: np.ndarray, staging: Dict[str, np.ndarray], pool: "_WindowPool"
@@ -478,7 +488,21 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         layout = {k: (self.files[0].keys[k].shape[1:], self.files[0].keys[k].dtype) for k in self.keys}
         return _WindowPool(layout, self.window_steps * plan.batch_size, keep=self.prefetch + 3)
 
+    def _open_collectively(self) -> None:
+        """With ``driver="mpio"``, open every file and dataset now, in file order, on every
+        rank: ``H5Fopen`` with the mpio driver is collective over the communicator, so
+        ranks must not open files lazily, each when its own share first needs them (ranks
+        touch different files at different times; mismatched collective opens hang or mix
+        up the files' metadata)."""
+        if torch.utils.data.get_worker_info() is not None:
+            return
+        if choose_driver(self.driver, has_mpio(), self.world_size, False) != "mpio":
+            return
+        for i in range(len(self.paths)):
+            self._datasets(i)
+
     def __iter__(self) -> Iterator[Batch]:
+        self._open_collectively()
         plan = self.plan()
         windows = self._windows(plan)
         pool = self._pool(plan)
