@@ -1,7 +1,6 @@
 """The HDF5 loader in one process: contents, partition, epochs, prefetch, workers, drivers."""
 from __future__ import annotations
 
-import os
 import threading
 
 import h5py
