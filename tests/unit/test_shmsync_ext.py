@@ -1,5 +1,6 @@
 """The shared-memory flag exchange (C extension) in one process: the peers' regions are plain
 memory that the test fills in as a peer would, so every outcome is checked without mpiexec."""
+import os
 import struct
 import time
 
@@ -9,7 +10,13 @@ import pytest
 from hpctrain.comm import plan, shmsync
 from hpctrain.comm.buffers import DTYPE_CODES
 
-_shmsync = pytest.importorskip("hpctrain.comm._shmsync", reason="C extension not built (no compiler at install)")
+try:
+    from hpctrain.comm import _shmsync
+except ImportError:  # optional extension: pip install succeeds without a compiler
+    if os.environ.get("HPCTRAIN_REQUIRE_SHMSYNC") == "1":
+        raise
+    pytest.skip("hpctrain.comm._shmsync not built (no C compiler or Python headers at install); "
+                "set HPCTRAIN_REQUIRE_SHMSYNC=1 to make this a failure", allow_module_level=True)
 SLOT = 4096
 
 
