@@ -7,8 +7,8 @@ CNN (CIFAR-sized input). Same synthetic batch per rank for every competitor (gen
 loader cost), SGD with momentum, ``--threads`` torch threads per rank for every competitor, the
 same malloc settings for all (one process runs them all).
 
-Phases. 1-rank rows run on rank 0 alone (a 1-rank group / process set / Horovod world) while
-the other ranks wait in a barrier; N-rank rows run on every rank. Each (rank count, model,
+Phases. 1-rank rows run on rank 0 alone (a 1-rank group for hpctrain, a 1-rank process group
+for DDP, a 1-rank process set for Horovod) while the other ranks wait in a barrier; N-rank rows run on every rank. Each (rank count, model,
 competitor) runs ``--repeats`` times, ``--warmup`` untimed steps then ``--steps`` timed ones;
 the order of the competitors rotates between repeats. Horovod runs last, in its own phase,
 because its background thread slows other MPI traffic while it lives.
@@ -370,11 +370,13 @@ class DDPGloo(Runner):
 class Horovod(Runner):
     split = True
 
-    def __init__(self, kind: str, args: argparse.Namespace, hvd: Any) -> None:
+    def __init__(self, kind: str, args: argparse.Namespace, hvd: Any, process_set: Any) -> None:
         super().__init__(kind, args)
         self.hvd = hvd
         self.opt = hvd.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
-                                            named_parameters=self.model.named_parameters())
+                                            named_parameters=self.model.named_parameters(),
+                                            process_set=process_set)
+        self.info = {"horovod_ranks": process_set.size()}
 
     def comm_alone(self) -> Optional[float]:
         hvd = self.hvd
@@ -456,7 +458,8 @@ def run(args: argparse.Namespace) -> int:
 
     runners: Dict[Tuple[int, str, str], Runner] = {}
     results: Dict[Tuple[int, str, str], List[Dict[str, List[float]]]] = {}
-    hvd = None
+    hvd: Any = None
+    hvd_solo: Any = None
 
     def make(ph: Phase) -> Runner:
         group = solo if ph.ranks == 1 and size > 1 else None
@@ -467,15 +470,7 @@ def run(args: argparse.Namespace) -> int:
             return Hpctrain(ph.model, args, group, overlap)
         if ph.competitor == "ddp-gloo":
             return DDPGloo(ph.model, args, ddp_groups[ph.ranks])
-        return Horovod(ph.model, args, hvd)
-
-    def finish_horovod_world() -> None:
-        nonlocal hvd
-        if hvd is not None:
-            for key in [k for k in runners if k[2] == "horovod"]:
-                runners.pop(key).close()
-            hvd.shutdown()
-            hvd = None
+        return Horovod(ph.model, args, hvd, hvd_solo if ph.ranks == 1 and size > 1 else hvd.global_process_set)
 
     comm_times: Dict[Tuple[int, str, str], Optional[float]] = {}
 
@@ -487,14 +482,24 @@ def run(args: argparse.Namespace) -> int:
 
     for ph in phases:
         key = (ph.ranks, ph.model, ph.competitor)
-        if ph.competitor == "horovod" and (hvd is None or hvd.size() != ph.ranks):
-            # Horovod's world is fixed at init: one world per process for the 1-rank rows (as in
-            # a 1-process job: no hooks, no communication), then the full world for N ranks.
+        if ph.competitor == "horovod" and hvd is None:
+            # Horovod keeps the world of its first init() for the life of the process (a second
+            # init() after shutdown() does not change it), so one init serves both row kinds:
+            # the 1-rank rows use a process set of rank 0 (Horovod's optimizer then still
+            # registers its hooks, as the world has several ranks; a 1-process Horovod job
+            # would skip them).
             measure_comm_alone(horovod=False)
-            finish_horovod_world()
             comm.barrier()
             hvd = horovod_module()
-            hvd.init(comm=[rank] if ph.ranks == 1 else None)
+            if size > 1 and 1 in rank_counts:
+                hvd_solo = hvd.ProcessSet([0])
+                hvd.init(process_sets=[hvd_solo])
+            else:
+                hvd.init()
+            if hvd.size() != size:
+                raise RuntimeError(f"bench train: Horovod sees {hvd.size()} rank(s), this run has {size}; it was "
+                                   "initialized earlier in this process with another world.\nHINT: run the "
+                                   "benchmark in a fresh process")
         if ph.ranks == size or rank == 0:  # 1-rank rows: rank 0 alone, the others wait below
             if key not in runners:
                 runners[key] = make(ph)
@@ -509,7 +514,10 @@ def run(args: argparse.Namespace) -> int:
         comm.barrier()
     measure_comm_alone(horovod=False)
     measure_comm_alone(horovod=True)
-    finish_horovod_world()
+    if hvd is not None:
+        for key in [k for k in runners if k[2] == "horovod"]:
+            runners[key].close()
+        hvd.shutdown()
     for key, runner in runners.items():
         runner.close()
     if "ddp-gloo" in wanted:
