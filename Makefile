@@ -27,6 +27,8 @@ $(STAMP): setup.py requirements-dev.txt hpctrain/comm/_shmsync.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
+	@$(PY) -c 'import os, shutil, sys, sysconfig; sys.exit(not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+	  || echo "NOTE: no C compiler or Python headers (apt install gcc python3-dev): hpctrain's shared-memory extension will not be built; hpctrain falls back to MPI there"
 	$(PY) -m pip install -q -e '.[dev,mpi]'
 	@touch $@
 
