@@ -462,24 +462,30 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         """Batches of one window: views of its arrays (no copy), cast and transformed."""
         b = plan.batch_size
         s0, s1 = window
-        # Batch tensors are slices of these: they keep the window's arrays referenced (and so
-        # out of the pool) for as long as any batch lives.
-        tensors = {key: torch.from_numpy(arrays[key]) for key in self.keys}
-        for step in range(s0, s1):
-            sl = slice((step - s0) * b, (step - s0 + 1) * b)
-            batch: Batch = {}
-            for key in self.keys:
-                t = tensors[key][sl]
-                dt = self.dtypes.get(key)
-                if dt is not None and t.dtype != dt:
-                    t = t.to(dt)
-                fn = self.transforms.get(key)
-                if fn is not None:
-                    t = fn(t)
-                batch[key] = t
-            g = slice(step * b, (step + 1) * b)
-            batch[self.mask_key] = mask[g]
-            batch[self.index_key] = index[g]
+        # Batch tensors are views of these: they keep the window's arrays referenced (and so
+        # out of the pool) for as long as any batch lives. One split per key, not one slice
+        # per key and batch.
+        keys = self.keys
+        parts = [torch.from_numpy(arrays[key]).split(b) for key in keys]
+        masks = mask[s0 * b:s1 * b].split(b)
+        indices = index[s0 * b:s1 * b].split(b)
+        casts = [self.dtypes.get(key) for key in keys]
+        fns = [self.transforms.get(key) for key in keys]
+        simple = not any(casts) and not any(fns) and self.transform is None
+        for i in range(s1 - s0):
+            if simple:
+                batch: Batch = {key: part[i] for key, part in zip(keys, parts)}
+            else:
+                batch = {}
+                for key, part, dt, fn in zip(keys, parts, casts, fns):
+                    t = part[i]
+                    if dt is not None and t.dtype != dt:
+                        t = t.to(dt)
+                    if fn is not None:
+                        t = fn(t)
+                    batch[key] = t
+            batch[self.mask_key] = masks[i]
+            batch[self.index_key] = indices[i]
             if self.transform is not None:
                 batch = self.transform(batch)
             yield batch

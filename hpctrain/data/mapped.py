@@ -267,8 +267,8 @@ def gather_tasks(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray,
     The window is cut into stretches of consecutive samples that lie in one view of a map.
     A stretch of consecutive rows (block order, file order) is read with ``preadv``
     straight into ``out``: a raw read, no page mapped. Any other stretch (shuffled rows,
-    padding repeats) is a ``numpy.take`` from the map. Stretches are split into tasks of
-    about :data:`TASK_BYTES`.
+    padding repeats) is a ``numpy.take`` from the map. Stretches are grouped (or split)
+    into tasks of about :data:`TASK_BYTES`.
     """
     n = len(rows)
     if n == 0:
@@ -288,28 +288,39 @@ def gather_tasks(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray,
                 group[sel] = g + len(views)
                 vrow[sel] = v
             views.extend((mk, g) for g in range(len(mk.views)))
-    if len(views) == 1 or group.min() == group.max():
-        starts, stops = [0], [n]
+    if len(views) == 1:
+        starts = np.zeros(1, np.int64)
     else:
-        cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
-        starts = [0] + cuts.tolist()
-        stops = cuts.tolist() + [n]
-    step = np.diff(vrow) == 1
+        starts = np.concatenate(([0], np.flatnonzero(group[1:] != group[:-1]) + 1))
+    stops = np.append(starts[1:], n)
+    # A stretch is consecutive rows when no step inside it differs from +1.
+    breaks = np.flatnonzero(np.diff(vrow) != 1)
+    plain = np.searchsorted(breaks, stops - 1) == np.searchsorted(breaks, starts)
     per_task = max(1, TASK_BYTES // dst.shape[1])
     tasks: List[Callable[[], None]] = []
-    for a, b in zip(starts, stops):
-        mk, g = views[int(group[a])]
-        if b - a > 1 and step[a:b - 1].all():
-            for lo in range(a, b, per_task):
-                hi = min(b, lo + per_task)
-                tasks.append(functools.partial(pread_into, mk.fd, dst[lo:hi],
-                                               mk.view_offset[g] + int(vrow[lo]) * mk.row_bytes))
-        else:
-            for lo in range(a, b, per_task):
-                hi = min(b, lo + per_task)
+    ops: list = []
+    size = 0
+    for a, b, g, consecutive in zip(starts.tolist(), stops.tolist(), group[starts].tolist(), plain.tolist()):
+        mk, view = views[g]
+        for lo in range(a, b, per_task):
+            hi = min(b, lo + per_task)
+            if consecutive:
+                ops.append((pread_into, (mk.fd, dst[lo:hi], mk.view_offset[view] + int(vrow[lo]) * mk.row_bytes)))
+            else:
                 # mode="clip": indices are valid, and numpy then writes into out unbuffered
-                tasks.append(functools.partial(np.take, mk.views[g], vrow[lo:hi], 0, dst[lo:hi], "clip"))
+                ops.append((np.take, (mk.views[view], vrow[lo:hi], 0, dst[lo:hi], "clip")))
+            size += hi - lo
+            if size >= per_task:
+                tasks.append(functools.partial(_run_ops, ops))
+                ops, size = [], 0
+    if ops:
+        tasks.append(functools.partial(_run_ops, ops))
     return tasks
+
+
+def _run_ops(ops: list) -> None:
+    for fn, args in ops:
+        fn(*args)
 
 
 def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:

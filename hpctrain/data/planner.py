@@ -37,7 +37,7 @@ Policies:
 
 With ``window_steps > 0``, each rank's ids are also reordered inside windows of
 ``window_steps`` batches (the loader reads one window at a time): ``window_order="shuffle"``
-splits each window into batches at random (seeded by ``(seed, epoch, rank, window)``; the
+splits each window into batches at random (seeded by ``(seed, epoch, rank)``; the
 loader shuffles in memory) and keeps the window's order inside each batch (which samples
 share a batch is random; their order inside it does not matter to training, and a batch is
 then a few ascending runs that the loader copies with a few gathers),
@@ -249,24 +249,31 @@ def _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle):
 
 
 def _window_reorder(idx, mask, window_rows, batch_size, seed, epoch, rank, order):
-    parts = []
-    for w, start in enumerate(range(0, len(idx), window_rows)):
-        stop = min(start + window_rows, len(idx))
-        if order == "sort":
-            parts.append(start + np.argsort(idx[start:stop], kind="stable"))
-            continue
-        # A uniformly random split of the window into batches that keeps the window's order
-        # inside each batch: deal the positions to batches by a random permutation of batch
-        # labels, then group them by label (a stable sort). Which samples share a batch is
-        # random; their order inside a batch does not matter to training, and keeping it
-        # means a batch is a few ascending runs (one per block of the window), which the
-        # loader copies with a few gathers instead of one scatter per sample.
-        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), w])
-        steps = (stop - start) // batch_size
-        label_type = np.int16 if steps < 2**15 else np.int64  # int16: numpy's radix sort
-        labels = rng.permutation(np.repeat(np.arange(steps, dtype=label_type), batch_size))
-        parts.append(start + np.argsort(labels, kind="stable"))
-    p = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if order == "sort":
+        parts = [start + np.argsort(idx[start:start + window_rows], kind="stable")
+                 for start in range(0, len(idx), window_rows)]
+        p = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return idx[p], mask[p]
+    # A uniformly random split of each window into batches that keeps the window's order
+    # inside each batch: deal the positions to batches by a random permutation of batch
+    # labels, then group them by label (a stable sort). Which samples share a batch is
+    # random; their order inside a batch does not matter to training, and keeping it means
+    # a batch is a few ascending runs (one per block of the window), which the loader
+    # copies with a few gathers instead of one scatter per sample.
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), int(rank), 0x5EED])
+    full = len(idx) // window_rows
+    p = np.empty(len(idx), np.int64)
+    steps = window_rows // batch_size
+    label_type = np.int16 if steps < 2**15 else np.int64  # int16: numpy's radix sort
+    if full:
+        labels = np.broadcast_to(np.repeat(np.arange(steps, dtype=label_type), batch_size), (full, window_rows))
+        labels = rng.permuted(labels, axis=1)  # each window on its own
+        local = np.argsort(labels, axis=1, kind="stable")
+        p[:full * window_rows] = (local + (np.arange(full, dtype=np.int64) * window_rows)[:, None]).reshape(-1)
+    rest = len(idx) - full * window_rows
+    if rest:
+        labels = rng.permutation(np.repeat(np.arange(rest // batch_size, dtype=label_type), batch_size))
+        p[full * window_rows:] = full * window_rows + np.argsort(labels, kind="stable")
     return idx[p], mask[p]
 
 
