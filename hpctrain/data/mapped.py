@@ -28,15 +28,18 @@ import h5py
 import numpy as np
 from h5py import h5d
 
+from hpctrain.data.h5files import read_error
+
 MAX_CHUNKS_WITHOUT_ITER = 100_000  # H5Dget_chunk_info(i) is linear in i: quadratic beyond
 
 
 class MappedFile:
     """A read-only descriptor and shared map of a whole file (pages map in on first use)."""
 
-    def __init__(self, fd: int, mm: mmap.mmap) -> None:
+    def __init__(self, fd: int, mm: mmap.mmap, path: str = "?") -> None:
         self.fd = fd
         self.mm = mm
+        self.path = path
 
     def __len__(self) -> int:
         return len(self.mm)
@@ -59,7 +62,7 @@ def open_map(path: str) -> Optional[MappedFile]:
         return None
     try:
         if os.fstat(fd).st_size > 0:
-            return MappedFile(fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+            return MappedFile(fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ), path)
     except (OSError, ValueError):
         pass
     os.close(fd)
@@ -153,9 +156,11 @@ class MappedKey:
     every segment of a group: segments whose byte offsets agree modulo the row size lie on
     one grid of rows (a ``(rows, row_bytes)`` ``uint8`` view spanning them all)."""
 
-    def __init__(self, segs: Sequence[Segment], row_bytes: int, mf: MappedFile) -> None:
+    def __init__(self, segs: Sequence[Segment], row_bytes: int, mf: MappedFile, key: str = "?") -> None:
         self.row_bytes = row_bytes
         self.fd = mf.fd
+        self.path = mf.path
+        self.key = key
         mm = mf.mm
         self.view_offset: List[int] = []
         groups: dict = {}
@@ -197,7 +202,7 @@ def map_dataset(dset: h5py.Dataset, mf: MappedFile) -> Tuple[Optional[MappedKey]
         if segs is None:
             return None, why
         row_bytes = int(np.prod(dset.shape[1:], dtype=np.int64)) * dset.dtype.itemsize
-        mk = MappedKey(segs, row_bytes, mf)  # offsets are from the start of the file (user block included)
+        mk = MappedKey(segs, row_bytes, mf, dset.name.lstrip("/"))  # offsets are from the start of the file (user block included)
     except (ValueError, TypeError, RuntimeError, OSError, AttributeError) as exc:
         return None, f"cannot map: {exc}"
     n = int(dset.shape[0])
@@ -311,16 +316,19 @@ def gather_tasks(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray,
                 ops.append((np.take, (mk.views[view], vrow[lo:hi], 0, dst[lo:hi], "clip")))
             size += hi - lo
             if size >= per_task:
-                tasks.append(functools.partial(_run_ops, ops))
+                tasks.append(functools.partial(_run_ops, ops, mk))
                 ops, size = [], 0
     if ops:
-        tasks.append(functools.partial(_run_ops, ops))
+        tasks.append(functools.partial(_run_ops, ops, mk))
     return tasks
 
 
-def _run_ops(ops: list) -> None:
-    for fn, args in ops:
-        fn(*args)
+def _run_ops(ops: list, mk: MappedKey) -> None:
+    try:
+        for fn, args in ops:
+            fn(*args)
+    except OSError as exc:  # e.g. the file was truncated after it was opened
+        raise read_error(exc, mk.path, mk.key) from exc
 
 
 def gather(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpctrain.data import HDF5Dataset
+from hpctrain.data.errors import CorruptFileError
 from hpctrain.data.mapped import gather, map_dataset, open_map, segments_of
 
 
@@ -128,3 +129,40 @@ def test_batches_outlive_close(tmp_path):
     for b in kept:
         assert torch.equal(b["x"][:, 0], (b["index"] * 10).float())
     assert len(list(ds)) == len(ds)  # reopens and maps again
+
+
+def test_copy_job_shared_by_two_threads_and_errors():
+    import threading
+
+    from hpctrain.data.mapped import CopyJob
+
+    done = []
+    job = CopyJob([lambda i=i: done.append(i) for i in range(200)])
+    helper = threading.Thread(target=job.work)
+    helper.start()
+    job.wait()
+    helper.join()
+    assert sorted(done) == list(range(200))  # every task exactly once
+
+    def boom():
+        raise OSError("disk gone")
+
+    bad = CopyJob([lambda: None, boom, lambda: None])
+    with pytest.raises(OSError, match="disk gone"):
+        bad.wait()
+    CopyJob([]).wait()  # nothing to copy: done at once
+
+
+def test_read_error_of_a_mapped_key_reaches_the_consumer(tmp_path, monkeypatch):
+    import hpctrain.data.mapped as M
+
+    p = interleaved(tmp_path / "e.h5", 3000, chunk=128, slab=1000)
+
+    def failing(*args):
+        raise OSError("injected read failure")
+
+    monkeypatch.setattr(M, "pread_into", failing)
+    ds = HDF5Dataset(p, ["x", "y"], 10, rank=0, world_size=1, shuffle="block", prefetch=1)
+    with pytest.raises(CorruptFileError, match="injected") as info:
+        list(ds)
+    assert p in str(info.value) and "'x'" in str(info.value)
