@@ -182,8 +182,14 @@ def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
 
 
 def prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` pipeline checkpoints, and temporary directories left
+    by a crashed save (rank 0 saves one checkpoint at a time, so any other is stale)."""
+    directory = Path(directory)
     for _step, path in list_checkpoints(directory)[keep:]:
         shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(directory):
+        if name.startswith(".pipeline-") and name.endswith(".tmp"):
+            shutil.rmtree(directory / name, ignore_errors=True)
 
 
 def save(directory: Path, pipe: Any, opt: Any, meta: Dict[str, Any], keep: int) -> str:
