@@ -26,6 +26,14 @@ except ImportError:  # built with optional=True: no compiler, no extension
 # its slot and reduces all slots itself (one round trip, no second barrier). Measured on the
 # 2-core dev machine (docs/performance.md): faster than MPI_Allreduce up to 256 KiB at 2 ranks.
 SMALL_ALLREDUCE_BYTES = 256 * 1024
+
+
+def small_allreduce_bytes() -> int:
+    """HPCTRAIN_SHM_SMALL_BYTES, default SMALL_ALLREDUCE_BYTES (the window holds twice this
+    per local rank and group)."""
+    from .plan import parse_size
+
+    return parse_size(os.environ.get("HPCTRAIN_SHM_SMALL_BYTES", str(SMALL_ALLREDUCE_BYTES)))
 # dtypes and ops the C kernels reduce (float16/bfloat16/complex/bool take the MPI path)
 FAST_DTYPES = frozenset(DTYPE_CODES[n] for n in (
     "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
@@ -76,16 +84,19 @@ class NodeFlags:
         self._views = views  # keep the mappings referenced as long as ctx uses them
 
     @classmethod
-    def create(cls, node_comm, slot_bytes: int = SMALL_ALLREDUCE_BYTES) -> Optional["NodeFlags"]:
+    def create(cls, node_comm, slot_bytes: Optional[int] = None) -> Optional["NodeFlags"]:
         """Collective over ``node_comm``: NodeFlags on every rank, or None on every rank
-        (extension missing or switched off on any rank, or a single rank)."""
+        (extension missing or switched off on any rank, or a single rank). The slot size is
+        the smallest any rank asked for, so that every rank picks the same algorithms."""
         if node_comm.Get_size() == 1:
             return None
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        votes = node_comm.allgather((available(), cpus))
-        if not all(ok for ok, _ in votes):
+        wanted = small_allreduce_bytes() if slot_bytes is None else slot_bytes
+        votes = node_comm.allgather((available(), cpus, wanted))
+        if not all(ok for ok, _, _ in votes):
             return None
-        usable = set().union(*(set(c) for _, c in votes))
+        slot_bytes = min(w for _, _, w in votes)
+        usable = set().union(*(set(c) for _, c, _ in votes))
         # more ranks than cores: a spinning rank would take the core its peer needs
         spin = _SPIN_ITERATIONS if len(usable) >= node_comm.Get_size() else 0
         return cls(node_comm, slot_bytes, spin)
