@@ -97,7 +97,7 @@ def merged(run: str, step: int):
     return merge_stage_checkpoints(str(path))
 
 
-def reference(cfg, dp=DP, steps=STEPS):
+def reference(cfg, dp=DP, steps=STEPS, passes=1):
     """One process: the same model, the same global batches (the replicas' batches together),
     the global batch-mean loss, plain torch.optim.SGD."""
     from hpctrain.data import HDF5Dataset
@@ -113,7 +113,7 @@ def reference(cfg, dp=DP, steps=STEPS):
         ds.set_epoch(0)
         loaders.append((ds, iter(ds)))
     for _ in range(steps):
-        batches = [next(it) for _, it in loaders]
+        batches = [next(it) for _ in range(passes) for _, it in loaders]
         x = torch.cat([b["x"] for b in batches])
         y = torch.cat([b["y"] for b in batches])
         mask = torch.cat([b["mask"] for b in batches]).float()
@@ -145,6 +145,16 @@ def test_weights_equal_single_process_training(schedule):
         plain = mlp(**KWARGS)
         plain.load_state_dict(state)  # the merge tool's output loads into the plain model
         rel = max_rel(state, reference(cfg))
+        assert rel <= 1e-5, rel
+    comm.barrier()
+
+
+def test_accumulation_equals_the_bigger_batch():
+    """sync.backward_passes_per_step = 2: two replica batches (2 × 4 micro-batches) per step."""
+    cfg = config("acc", sync__backward_passes_per_step=2, steps=3)
+    assert Trainer(cfg).fit().step == 3
+    if R == 0:
+        rel = max_rel(merged("acc", 3), reference(cfg, steps=3, passes=2))
         assert rel <= 1e-5, rel
     comm.barrier()
 
