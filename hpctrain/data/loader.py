@@ -26,7 +26,8 @@ Files are opened lazily in the process that iterates and re-opened after a ``for
 handles are never shared with DataLoader worker processes). With ``driver="auto"`` the
 files are opened with parallel HDF5 (``driver="mpio"``) when h5py was built with MPI, the
 world has several ranks and we are not in a DataLoader worker; otherwise each rank reads
-independently with the default (serial) driver.
+independently with the default (serial) driver. Opening an mpio file is collective, so with
+mpio every rank opens every file when an iteration starts, in file order.
 """
 from __future__ import annotations
 
