@@ -289,11 +289,13 @@ class SharedBuffer:
 
 
 def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, dtype_name: str, dog,
-                   what: str, cross: bool = False) -> None:
+                   what: str, cross: bool = False, arrived: bool = False) -> None:
     """All-reduce elements [offset, offset+count) of every local rank's slot, in place.
 
     Barrier (all data written) → each rank reduces its slice from every slot → (across nodes:
     ring among the ranks owning the same slice) → writes it into every slot → barrier.
+    ``arrived``: every local rank has passed a flag exchange since writing its data (the
+    agreement check), which then serves as the first barrier.
     """
     node = group.node_comm
     local_size, local_rank = node.Get_size(), node.Get_rank()
@@ -301,7 +303,8 @@ def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, 
     code = shmsync.kernel_dtype_code(dtype_name)
     if code is not None and not (cross and group.cross_size > 1):
         # one pass in C: my slice of every slot reduced and written into every slot
-        node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' data)"))
+        if not arrived:
+            node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' data)"))
         if b > a:
             item = sbuf.dtype.itemsize
             where = [base + (offset + a) * item for base in sbuf.addresses]

@@ -142,7 +142,8 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     if shared is not None and algo in ("shm", "hierarchical") and src.size:
         sbuf, offset = shared
         algorithms.shm_zero_copy_(g, sbuf, offset, src.size, op, flat.dtype_name, dog, what,
-                                  cross=algo == "hierarchical")
+                                  cross=algo == "hierarchical",
+                                  arrived=bool(g.small_shm) and guard.checks_enabled())
     elif algo in ("shm", "hierarchical") and src.size:
         out = src if inplace else np.empty_like(src)
         algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical")
