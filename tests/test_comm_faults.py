@@ -36,3 +36,5 @@ def test_cli_exception_aborts_job():
     result = run_mpi(2, python_argv("-m", "hpctrain.cli.main", "selfcheck", "--fail-on-rank", "1"), timeout=60)
     assert result.returncode not in (0, -9), result.stdout
     assert "rank 1 raised an unhandled exception" in result.stdout
+    # the user's error is what gets reported, not a failure of the abort path itself
+    assert "injected failure" in result.stdout and "AttributeError" not in result.stdout, result.stdout

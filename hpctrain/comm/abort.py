@@ -11,8 +11,9 @@ def run_or_abort(func: Callable[[Any], int], args: Any) -> int:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException:
-        from . import world as _world
+        # by name: the package attribute ``world`` is the function world(), not the module
+        from .world import is_initialized, report_and_abort, size
 
-        if _world.is_initialized() and _world.size() > 1:
-            _world.report_and_abort(*sys.exc_info())
+        if is_initialized() and size() > 1:
+            report_and_abort(*sys.exc_info())
         raise
