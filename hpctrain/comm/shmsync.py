@@ -106,10 +106,13 @@ class NodeFlags:
         """Every local rank has arrived (a memory barrier too: writes before it are visible after)."""
         self._check(self.ctx.exchange(None, None, 0, 0, dog.timeout), dog, what, describe, None)
 
-    def agree(self, header: np.ndarray, dog, what, describe, group) -> None:
-        """The agreement check of guard.agree, in one flag exchange."""
-        packed = HEADER.pack(*(int(v) for v in header), 0)
-        self._check(self.ctx.exchange(packed, None, 0, 0, dog.timeout), dog, what, describe, group)
+    def agree(self, header, dog, what, describe, group) -> None:
+        """The agreement check of guard.agree, in one flag exchange. ``header``: the 7 fields
+        of guard.make_header, or those already packed with HEADER."""
+        packed = header if isinstance(header, bytes) else HEADER.pack(*(int(v) for v in header), 0)
+        status = self.ctx.exchange(packed, None, 0, 0, dog.timeout)
+        if status:
+            self._check(status, dog, what, describe, group)
 
     def allreduce_(self, arr: np.ndarray, dtype_code: int, op: str, header: Optional[bytes], dog, what,
                    describe, group) -> None:

@@ -190,6 +190,21 @@ def test_small_allreduce_against_another_collective_raises_on_every_rank():
     np.testing.assert_array_equal(out, np.full(3, sum(range(N))))
 
 
+@pytest.mark.parametrize("length", [5, 300_000])  # the flag exchange; MPI_Allreduce (lean path)
+def test_numpy_on_some_ranks_torch_on_others_agree(length):
+    """numpy arrays take the lean path, torch tensors the general one: same algorithm, same
+    agreement header, so mixing them is no mismatch; a different length still is."""
+    x = np.full(length, R + 1.0, dtype=np.float32)
+    data = x if R % 2 == 0 else torch.from_numpy(x)
+    out = comm.allreduce(data)
+    np.testing.assert_array_equal(np.asarray(out), np.full(length, sum(range(1, N + 1)), dtype=np.float32))
+    if N < 2:
+        return
+    with pytest.raises(comm.CollectiveMismatchError, match="elements"):
+        comm.allreduce_(np.ones(length + (R == N - 1), dtype=np.float32))
+    comm.barrier()
+
+
 def test_small_messages_take_the_flag_exchange_when_built():
     from hpctrain.comm import shmsync
 
