@@ -509,9 +509,23 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             self._datasets(i)
 
     def __iter__(self) -> Iterator[Batch]:
+        return self.iter_from(0)
+
+    def iter_from(self, step: int) -> Iterator[Batch]:
+        """This epoch's batches from batch ``step`` on: the same batches as ``iter(self)``
+        minus the first ``step`` (resuming inside an epoch), without reading the windows
+        that lie wholly before ``step``."""
+        if not 0 <= step <= len(self):
+            raise ConfigError(f"iter_from: step {step} is outside this epoch's 0..{len(self)} batches")
+        if step and torch.utils.data.get_worker_info() is not None:
+            raise ConfigError("iter_from: starting mid-epoch inside DataLoader workers is not supported; "
+                              "HINT: iterate the dataset itself (num_workers=0) when resuming")
+        return self._iterate(step)
+
+    def _iterate(self, start: int) -> Iterator[Batch]:
         self._open_collectively()
         plan = self.plan()
-        windows = self._windows(plan)
+        windows = [(max(s0, start), s1) for s0, s1 in self._windows(plan) if s1 > start]
         pool = self._pool(plan)
         b = plan.batch_size
         mask, index = torch.from_numpy(plan.mask), torch.from_numpy(plan.indices)

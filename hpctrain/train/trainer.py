@@ -460,9 +460,8 @@ class Trainer:
         try:
             while step < plan.total_steps and status == "completed":
                 ds.set_epoch(epoch)
-                it = iter(ds)
-                for _ in range(skip * k):  # resume inside an epoch: the same order, minus what was done
-                    next(it)
+                # resume inside an epoch: the same order, minus what was done (without reading it)
+                it = ds.iter_from(skip * k)
                 s_in_epoch = skip
                 skip = 0
                 while s_in_epoch < plan.steps_per_epoch and step < plan.total_steps:
