@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import List, Optional
 
@@ -50,13 +51,15 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("shard", help="split one HDF5 file into N balanced shards",
                        description="Split a file into N shards (sizes differ by at most one sample), keeping "
                                    "dtypes, chunks, filters and attributes. Under mpiexec rank r writes shards "
-                                   "r, r+size, ...",
-                       epilog="example:\n  hpctrain data shard train.h5 --num-shards 8 --out shards/",
+                                   "r, r+size, ...; --only writes a subset (e.g. one per SLURM array task).",
+                       epilog="examples:\n  hpctrain data shard train.h5 --num-shards 8 --out shards/\n"
+                              "  hpctrain data shard train.h5 --num-shards 64 --out shards/ --only $SLURM_ARRAY_TASK_ID",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="IN.h5")
     p.add_argument("-n", "--num-shards", type=int, required=True)
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument("--keys", help="comma-separated per-sample keys (default: the file's 'keys' attribute, else all)")
+    p.add_argument("--only", metavar="I[,J,...]", help="write only these shard indices (0-based; ranges like 0-7 too)")
     _add_quiet(p)
     p.set_defaults(data_func=run_shard)
 
@@ -112,12 +115,24 @@ def _world() -> tuple:
     return comm.rank(), comm.size()
 
 
+def parse_indices(text: str) -> list:
+    """'3' → [3]; '0-3,7' → [0, 1, 2, 3, 7]."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not match:
+            raise SystemExit(f"hpctrain data shard: --only {text!r}: expected indices like 3 or 0-7,9")
+        lo = int(match.group(1))
+        out.extend(range(lo, int(match.group(2) or lo) + 1))
+    return out
+
+
 def run_shard(args: argparse.Namespace) -> int:
     from hpctrain.data.shard import shard
 
     rank, size = _world()
     written = shard(args.input, args.num_shards, args.out, keys=_keys(args.keys), rank=rank, size=size,
-                    quiet=args.quiet or rank != 0)
+                    quiet=args.quiet or rank != 0, only=parse_indices(args.only) if args.only else None)
     if size > 1:
         from hpctrain import comm
 

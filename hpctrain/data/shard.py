@@ -90,13 +90,19 @@ def shard_name(src: str, index: int, num_shards: int) -> str:
 
 
 def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[str]] = None,
-          rank: int = 0, size: int = 1, quiet: bool = False) -> List[str]:
+          rank: int = 0, size: int = 1, quiet: bool = False, only: Optional[Sequence[int]] = None) -> List[str]:
     """Split ``src`` into ``num_shards`` files in ``out_dir``; rank r of size writes shards r, r+size, ...
+    ``only``: write just these shard indices (e.g. one per task of a SLURM job array), still
+    divided among the ranks.
 
     Returns the paths this rank wrote.
     """
     if num_shards < 1:
         raise ConfigError(f"--num-shards must be at least 1, got {num_shards}")
+    if only is not None:
+        bad = [i for i in only if not 0 <= i < num_shards]
+        if bad:
+            raise ConfigError(f"--only {bad[0]}: shard indices run from 0 to {num_shards - 1} (--num-shards {num_shards})")
     written: List[str] = []
     with open_h5(src) as f:
         keys = sample_keys(f, src, keys)
@@ -110,7 +116,8 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
         parent_chunks = {k: list(f[k].chunks) if f[k].chunks else None for k in keys}
         ranges = shard_ranges(n, num_shards)
         os.makedirs(out_dir, exist_ok=True)
-        mine = list(range(rank, num_shards, size))
+        wanted = sorted(set(only)) if only is not None else list(range(num_shards))
+        mine = wanted[rank::size]
         total = sum((ranges[i][1] - ranges[i][0]) * sum(f[k].dtype.itemsize *
                     int(np.prod(f[k].shape[1:], dtype=np.int64)) for k in keys) for i in mine)
         with progress_bar(total, f"shard {Path(src).name}", quiet) as bar:

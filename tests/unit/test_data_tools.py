@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpctrain.data.errors import ChecksumError, DataError, LengthMismatchError, TooFewSamplesError
+from hpctrain.data.errors import ChecksumError, ConfigError, DataError, LengthMismatchError, TooFewSamplesError
 from hpctrain.data.h5files import array_checksum, atomic_output
 from hpctrain.data.pack import pack
 from hpctrain.data.shard import merge, shard, shard_ranges
@@ -134,6 +134,31 @@ def test_shard_by_ranks_writes_disjoint_sets(tmp_path):
     names = [[os.path.basename(p) for p in w] for w in written]
     assert names == [["p-00000-of-00005.h5", "p-00002-of-00005.h5", "p-00004-of-00005.h5"],
                      ["p-00001-of-00005.h5", "p-00003-of-00005.h5"]]
+
+
+def test_shard_only_some_indices_then_merge_the_whole_set(tmp_path):
+    """--only (one SLURM array task per shard): each call writes just its shards; together
+    they are the complete set, which merges back bit-identical."""
+    np.save(tmp_path / "x.npy", np.arange(50.0))
+    pack([str(tmp_path / "x.npy")], str(tmp_path / "p.h5"), quiet=True)
+    written = [shard(str(tmp_path / "p.h5"), 4, str(tmp_path / "s"), only=[i], quiet=True) for i in (2, 0, 3, 1)]
+    assert [os.path.basename(w[0]) for w in written] == [f"p-0000{i}-of-00004.h5" for i in (2, 0, 3, 1)]
+    assert shard(str(tmp_path / "p.h5"), 4, str(tmp_path / "t"), only=[1, 3], rank=1, size=2, quiet=True) == \
+        [str(tmp_path / "t" / "p-00003-of-00004.h5")]
+    merged = merge([w[0] for w in written], str(tmp_path / "m.h5"), quiet=True)
+    with h5py.File(merged) as f:
+        np.testing.assert_array_equal(f["x"][:], np.arange(50.0))
+    with pytest.raises(ConfigError, match="--only 4: shard indices run from 0 to 3"):
+        shard(str(tmp_path / "p.h5"), 4, str(tmp_path / "u"), only=[4], quiet=True)
+
+
+def test_parse_shard_indices():
+    from hpctrain.cli.data import parse_indices
+
+    assert parse_indices("3") == [3]
+    assert parse_indices("0-3, 7") == [0, 1, 2, 3, 7]
+    with pytest.raises(SystemExit, match="expected indices"):
+        parse_indices("x")
 
 
 def test_shard_too_many_shards(tmp_path):
