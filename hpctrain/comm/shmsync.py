@@ -7,6 +7,7 @@ Where the extension is not built (no C compiler at install time) or HPCTRAIN_SHM
 """
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from typing import Optional
@@ -40,6 +41,7 @@ FAST_DTYPES = frozenset(DTYPE_CODES[n] for n in (
 FAST_DTYPE_NUMS = {np.dtype(n).num: DTYPE_CODES[n] for n in (
     "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64")}
 OP_CODES = {op: i for i, op in enumerate(OPS)}
+log = logging.getLogger("hpctrain.comm")
 HEADER = struct.Struct("8q")  # the 7 header fields of guard.make_header, padded to 64 bytes
 ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
 # Zero-copy all-reduces whose window data (all local slots together) exceed this write their
@@ -99,7 +101,18 @@ class NodeFlags:
         usable = set().union(*(set(c) for _, c, _ in votes))
         # more ranks than cores: a spinning rank would take the core its peer needs
         spin = _SPIN_ITERATIONS if len(usable) >= node_comm.Get_size() else 0
-        return cls(node_comm, slot_bytes, spin)
+        flags, error = None, None
+        try:
+            flags = cls(node_comm, slot_bytes, spin)
+        except MPI.Exception as exc:  # an MPI without usable shared windows
+            error = exc
+        if node_comm.allreduce(0 if flags is None else 1, op=MPI.MIN) == 0:
+            # not freed: MPI_Win_free is collective and some ranks may hold no window
+            if error is not None and node_comm.Get_rank() == 0:
+                log.warning("comm: no shared-memory window on this node (%s); using MPI barriers and "
+                            "native collectives instead of shared-memory flags", error)
+            return None
+        return flags
 
     # ------------------------------------------------------------------ operations
     def barrier(self, dog, what, describe) -> None:
