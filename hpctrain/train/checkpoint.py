@@ -113,13 +113,19 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 def list_checkpoints(directory: Path) -> List[Tuple[int, Path]]:
     """``[(step, path)]`` of the checkpoint files in ``directory``, newest (highest step) first."""
+    return list_numbered(directory, PATTERN)
+
+
+def list_numbered(directory: Path, pattern: "re.Pattern", directories: bool = False) -> List[Tuple[int, Path]]:
+    """``[(step, path)]`` of the entries of ``directory`` whose name ``pattern`` matches (group 1:
+    the step), newest first; with ``directories``, only directories."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     found = []
     for name in os.listdir(directory):
-        m = PATTERN.match(name)
-        if m:
+        m = pattern.match(name)
+        if m and (not directories or (directory / name).is_dir()):
             found.append((int(m.group(1)), directory / name))
     return sorted(found, reverse=True)
 

@@ -137,15 +137,7 @@ def checkpoint_name(step: int) -> str:
 
 def list_checkpoints(directory: Path) -> List[Tuple[int, Path]]:
     """``[(step, dir)]`` of the pipeline checkpoints in ``directory``, newest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for name in os.listdir(directory):
-        m = PATTERN.match(name)
-        if m and (directory / name).is_dir():
-            found.append((int(m.group(1)), directory / name))
-    return sorted(found, reverse=True)
+    return ckpt.list_numbered(directory, PATTERN, directories=True)
 
 
 def load_meta(path: Path) -> Dict[str, Any]:
