@@ -9,8 +9,6 @@ DP = 2 × PP = 2 on 4 ranks, both schedules.
 - bad input (more stages than ranks, a world not divisible by the stages, a model that cannot be
   split) is a clear ConfigError on every rank, before any communication.
 """
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +20,8 @@ from hpctrain.train import pipeline as pp
 from hpctrain.train.config import ConfigError, load_config
 from hpctrain.train.metrics import read_metrics
 from hpctrain.train.trainer import Trainer, per_sample_loss
+
+from digits_files import pack_digits, shared_dir  # noqa: E402
 
 RANKS = (2, 4)
 TIMEOUT = 420
@@ -36,25 +36,12 @@ BATCH = 8  # per replica, cut into 4 micro-batches of 2 rows
 KWARGS = {"in_features": 64, "hidden": [16, 12], "num_classes": 10, "input_scale": 0.0625}
 
 
-def _shared_dir() -> Path:
-    path = tempfile.mkdtemp(prefix="hpctrain-pipeline-test-") if R == 0 else None
-    return Path(comm.broadcast_object(path))
-
-
-BASE = _shared_dir()
+BASE = shared_dir("hpctrain-pipeline-test-")
 
 
 def _make_data() -> None:
+    pack_digits(BASE, slice(0, 256), slice(256, 321), chunk_rows=32)  # test: 65 rows, padding in the last batch
     if R == 0:
-        from hpctrain.data.pack import pack
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x, y = d.data.astype(np.float32), d.target.astype(np.int64)
-        np.savez(BASE / "train.npz", x=x[:256], y=y[:256])
-        np.savez(BASE / "test.npz", x=x[256:321], y=y[256:321])  # 65 rows: padding in the last batch
-        pack([str(BASE / "train.npz")], str(BASE / "train.h5"), chunk_rows=32, quiet=True)
-        pack([str(BASE / "test.npz")], str(BASE / "test.h5"), chunk_rows=32, quiet=True)
         (BASE / "models.py").write_text(
             "import torch\n\n"
             "class Net(torch.nn.Module):\n"

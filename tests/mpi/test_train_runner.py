@@ -1,8 +1,6 @@
 """The training runner under a real mpiexec: bit-identical resume, timeline from every rank,
 NaN stop/skip, straggler warning and re-balancing, exact evaluation."""
 import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +12,8 @@ from hpctrain.train.config import load_config
 from hpctrain.train.metrics import read_metrics
 from hpctrain.train.trainer import Trainer
 
+from digits_files import pack_digits, shared_dir  # noqa: E402
+
 RANKS = (2,)
 TIMEOUT = 400
 
@@ -21,25 +21,11 @@ comm.init()
 N, R = comm.size(), comm.rank()
 
 
-def _shared_dir() -> Path:
-    path = tempfile.mkdtemp(prefix="hpctrain-train-test-") if R == 0 else None
-    return Path(comm.broadcast_object(path))
-
-
-BASE = _shared_dir()
+BASE = shared_dir("hpctrain-train-test-")
 
 
 def _make_data() -> None:
-    if R == 0:
-        from hpctrain.data.pack import pack
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x, y = d.data.astype(np.float32), d.target.astype(np.int64)
-        np.savez(BASE / "train.npz", x=x[:1000], y=y[:1000])
-        np.savez(BASE / "test.npz", x=x[1000:1301], y=y[1000:1301])  # 301: not a multiple of anything
-        pack([str(BASE / "train.npz")], str(BASE / "train.h5"), chunk_rows=64, quiet=True)
-        pack([str(BASE / "test.npz")], str(BASE / "test.h5"), chunk_rows=64, quiet=True)
+    pack_digits(BASE, slice(0, 1000), slice(1000, 1301), chunk_rows=64)  # test: 301 rows, not a multiple of anything
     comm.barrier()
 
 
