@@ -23,12 +23,12 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): setup.py requirements-dev.txt hpctrain/comm/_shmsync.c
+$(STAMP): setup.py requirements-dev.txt hpctrain/comm/_shmsync.c hpctrain/data/_codecs.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	@$(PY) -c 'import os, shutil, sys, sysconfig; sys.exit(not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
-	  || echo "NOTE: no C compiler or Python headers (apt install gcc python3-dev): hpctrain's shared-memory extension will not be built; hpctrain falls back to MPI there"
+	  || echo "NOTE: no C compiler or Python headers (apt install gcc python3-dev): hpctrain's C extensions (shared-memory sync, HDF5 chunk decoders) will not be built; hpctrain falls back to MPI and to h5py's serial decompression there"
 	$(PY) -m pip install -q -e '.[dev,mpi]'
 	@touch $@
 

@@ -43,6 +43,10 @@ setup(
     ext_modules=[
         Extension("hpctrain.comm._shmsync", ["hpctrain/comm/_shmsync.c"],
                   extra_compile_args=["-O3", "-std=c11"], optional=True),
+        # HDF5 chunk decoders (LZF, unshuffle) that run without the GIL, so that the loader can
+        # decompress several chunks at once. Optional: without it h5py decompresses (serially).
+        Extension("hpctrain.data._codecs", ["hpctrain/data/_codecs.c"],
+                  extra_compile_args=["-O3", "-std=c11"], optional=True),
     ],
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli.main:main"]},
     classifiers=[
