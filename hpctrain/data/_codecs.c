@@ -7,6 +7,12 @@
  *   lzf_decompress_into(src, dst) -> int    LZF (h5py's filter 32000, liblzf's format)
  *   unshuffle_into(src, dst, itemsize)      inverse of HDF5's shuffle filter (2)
  *
+ * and the loader's shuffled read of uncompressed rows (one copy, no staging buffer):
+ *
+ *   pread_rows(fd, offset, row_bytes, index, dst) -> None
+ *       row r of the file range starting at offset goes to row index[r] of dst (one
+ *       preadv per stretch of up to IOV_MAX rows; index[r] < 0 skips the row)
+ *
  * Bytes of dst past the count lzf_decompress_into returns (and all of dst after an error)
  * are unspecified: the decoder copies in fixed-size blocks where dst has room.
  *
@@ -25,8 +31,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 /* Outcome of the LZF decoder; the position fields say where it stopped. */
 enum { LZF_OK = 0, LZF_TRUNC_LITERAL, LZF_TRUNC_REF, LZF_BEFORE_START,
@@ -279,6 +289,119 @@ static PyObject *unshuffle_into(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ pread_rows */
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+#define ROWS_IOV (IOV_MAX < 1024 ? IOV_MAX : 1024)
+
+/* Read rows [0, n) of the file range at `offset` into dst rows index[r] (skipping rows with
+ * index < 0), merging rows that are consecutive in both file and dst into one iovec. Returns
+ * 0, or -1 with errno set (0 = the file ended early), *failed_row = first row not read. */
+static int scatter_rows(int fd, int64_t offset, size_t row_bytes, const int64_t *index, size_t n,
+                        uint8_t *dst, size_t *failed_row) {
+    struct iovec iov[ROWS_IOV];
+    size_t r = 0;
+    while (r < n) {
+        while (r < n && index[r] < 0) r++;  /* skipped rows: not read at all */
+        if (r == n) break;
+        size_t first = r, cnt = 0, total = 0;
+        while (r < n && index[r] >= 0) {
+            uint8_t *at = dst + (size_t)index[r] * row_bytes;
+            if (cnt && (uint8_t *)iov[cnt - 1].iov_base + iov[cnt - 1].iov_len == at) {
+                iov[cnt - 1].iov_len += row_bytes;
+            } else {
+                if (cnt == ROWS_IOV) break;
+                iov[cnt].iov_base = at;
+                iov[cnt].iov_len = row_bytes;
+                cnt++;
+            }
+            total += row_bytes;
+            r++;
+        }
+        /* iov covers file rows [first, r): read them, resuming after short reads */
+        off_t pos = (off_t)(offset + (int64_t)(first * row_bytes));
+        size_t k = 0;
+        while (total > 0) {
+            ssize_t got = preadv(fd, iov + k, (int)(cnt - k), pos);
+            if (got < 0 && errno == EINTR) continue;
+            if (got <= 0) {
+                if (got == 0) errno = 0;
+                *failed_row = first;
+                return -1;
+            }
+            pos += got;
+            total -= (size_t)got;
+            while (got > 0 && k < cnt) {
+                if ((size_t)got >= iov[k].iov_len) {
+                    got -= (ssize_t)iov[k].iov_len;
+                    k++;
+                } else {
+                    iov[k].iov_base = (uint8_t *)iov[k].iov_base + got;
+                    iov[k].iov_len -= (size_t)got;
+                    got = 0;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+static PyObject *pread_rows(PyObject *Py_UNUSED(module), PyObject *args) {
+    const char *fn = "pread_rows";
+    int fd;
+    long long offset;
+    Py_ssize_t row_bytes;
+    PyObject *index_obj, *dst_obj;
+    if (!PyArg_ParseTuple(args, "iLnOO:pread_rows", &fd, &offset, &row_bytes, &index_obj, &dst_obj)) return NULL;
+    if (row_bytes < 1 || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: row_bytes must be >= 1 and offset >= 0 (got %zd, %lld)",
+                     fn, row_bytes, offset);
+        return NULL;
+    }
+    Py_buffer index, dst;
+    if (get_src(index_obj, &index, fn, "index") < 0) return NULL;
+    if (get_dst(dst_obj, &dst, fn) < 0) { PyBuffer_Release(&index); return NULL; }
+    size_t n = (size_t)index.len / sizeof(int64_t);
+    size_t dst_rows = (size_t)dst.len / (size_t)row_bytes;
+    const int64_t *idx = (const int64_t *)index.buf;
+    int bad = 0;
+    if (index.len % (Py_ssize_t)sizeof(int64_t) || ((uintptr_t)index.buf % sizeof(int64_t))) {
+        PyErr_Format(PyExc_ValueError, "%s: index must be an aligned int64 array", fn);
+        bad = 1;
+    }
+    for (size_t r = 0; !bad && r < n; r++) {
+        if (idx[r] >= (int64_t)dst_rows) {
+            PyErr_Format(PyExc_ValueError, "%s: index[%zu] = %lld is past the %zu rows of dst",
+                         fn, r, (long long)idx[r], dst_rows);
+            bad = 1;
+        }
+    }
+    int rc = 0, err = 0;
+    size_t failed = 0;
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = scatter_rows(fd, (int64_t)offset, (size_t)row_bytes, idx, n, (uint8_t *)dst.buf, &failed);
+        err = errno;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&dst);
+    if (bad) return NULL;
+    if (rc < 0) {
+        if (err == 0) {
+            PyErr_Format(PyExc_OSError, "file ended while reading row %zu of the %zu rows at byte %lld",
+                         failed, n, offset);
+        } else {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef module_methods[] = {
@@ -291,6 +414,12 @@ static PyMethodDef module_methods[] = {
      "Undo HDF5's shuffle filter: byte b of element i is read from src[b*n + i],\n"
      "n = len(src) // itemsize; the len(src) % itemsize trailing bytes are copied as they are.\n"
      "len(dst) must equal len(src). Releases the GIL."},
+    {"pread_rows", pread_rows, METH_VARARGS,
+     "pread_rows(fd, offset, row_bytes, index, dst) -> None\n\n"
+     "Read len(index) rows of row_bytes bytes from fd at offset; row r goes to row index[r]\n"
+     "of dst (int64 index; negative = skip the row). One preadv per stretch of up to IOV_MAX\n"
+     "rows, rows consecutive in file and dst merged. OSError when the file ends early.\n"
+     "Releases the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,16 +9,18 @@ How it reads (the design that makes it fast):
 
 1. The planner gives this rank's sample ids for the epoch, in chunk-aligned blocks of at
    least ``block_bytes`` (whole HDF5 chunks) whose order is shuffled per epoch.
-2. The ids are walked one *window* (about ``window_bytes``, 16 MiB by default, a whole
+2. The ids are walked one *window* (about ``window_bytes``, 4 MiB by default, a whole
    number of batches) at a time, by a background thread, into reused window arrays.
-3. Keys stored uncompressed are copied straight from a memory map of the file
-   (:mod:`hpctrain.data.mapped`): one ``numpy.take`` per stretch of the window in one
-   contiguous region of the file, so each byte is copied once, already in plan order, and
-   without the GIL. Other keys (compressed, filtered, or files opened with ``mpio``) are
-   read through HDF5: the window is covered with a few contiguous ``[lo, hi)`` runs, each
-   read with one ``H5Dread``; ascending windows land directly in the window arrays,
-   shuffled ones in a staging buffer that the consuming thread gathers with ``numpy.take``
-   (it releases the GIL, overlapping the next window's read).
+3. A window is read as the few sorted runs of rows (whole blocks) that cover it, then,
+   unless its ids ascend (``shuffle="block"``, ``False``: the runs land in place), gathered
+   into plan order with ``numpy.take`` while it is still in the CPU cache -- hence the
+   cache-sized default window. How the runs are read depends on the key:
+   uncompressed keys with ``preadv`` straight from the file (:mod:`hpctrain.data.mapped`:
+   the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys as stored
+   chunks decoded here (:mod:`hpctrain.data.chunked`); anything else (other filters,
+   ``memory_map=False``, files opened with ``mpio``) with one ``H5Dread`` per run. The
+   ``preadv`` reads, chunk decodes and gathers are small GIL-free tasks that the prefetch
+   thread and a waiting consumer run together (two cores decompress at once).
 4. Batches are views of the window arrays (no copy); dtypes are cast and transforms applied
    per batch.
 
@@ -31,6 +33,7 @@ mpio every rank opens every file when an iteration starts, in file order.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -46,12 +49,20 @@ from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
     FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
 )
-from hpctrain.data.mapped import CopyJob, MappedKey, gather_tasks, map_dataset, open_map
+from hpctrain.data.chunked import ChunkedKey, chunked_dataset
+from hpctrain.data.mapped import CopyJob, MappedKey, gather_tasks, map_dataset, open_map, take_tasks
 from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, locate, plan_epoch, read_runs
 
 log = logging.getLogger("hpctrain.data")
 
+try:  # scattered preadv of shuffled windows (one copy); without it: read, then gather
+    from hpctrain.data import _codecs as _codecs_ext  # noqa: F401
+    SCATTER = True
+except ImportError:  # pragma: no cover - the optional extension was not built
+    SCATTER = False
+
 Batch = Dict[str, torch.Tensor]
+Reader = Union[MappedKey, ChunkedKey, None]
 
 
 def choose_driver(requested: Optional[str], h5py_has_mpi: bool, world_size: int, in_worker: bool) -> Optional[str]:
@@ -109,12 +120,14 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         transforms: per-key callables ``tensor -> tensor``; ``transform``: ``dict -> dict``
             applied last, on the whole batch.
         prefetch: windows read ahead in a background thread (0 = read in the caller).
-        window_bytes: bytes read per window (default 16 MiB: it stays in the CPU cache
-            for the gather); block_bytes: minimum bytes of a
-            contiguous block (default 4 MiB, rounded up to whole HDF5 chunks).
+        window_bytes: bytes read per window (default 4 MiB: the window and its shuffled copy
+            stay in the CPU cache); block_bytes: minimum bytes of a contiguous block
+            (default 1 MiB, rounded up to whole HDF5 chunks). A window mixes about
+            ``window_bytes / block_bytes`` blocks from different places of the data.
         driver: ``"auto"``, ``"mpio"`` or ``"serial"``.
-        memory_map: read uncompressed keys of serially opened files from a memory map of
-            the file (default True); False reads everything through HDF5.
+        memory_map: read keys of serially opened files around HDF5 (default True):
+            uncompressed ones with ``preadv`` at their file offsets, lzf/gzip ones as stored
+            chunks decoded in several threads; False reads everything through HDF5.
         mask_key, index_key: names of the padding mask and the global-id entries.
     """
 
@@ -135,7 +148,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         transforms: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None,
         transform: Optional[Callable[[Batch], Batch]] = None,
         prefetch: int = 1,
-        window_bytes: int = 16 << 20,
+        window_bytes: int = 32 << 20,
         block_bytes: int = 4 << 20,
         driver: Optional[str] = "auto",
         memory_map: bool = True,
@@ -204,7 +217,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self._steps = first.steps
         self._handles: Dict[int, h5py.File] = {}
         self._dsets: Dict[int, Tuple[h5py.File, Dict[str, h5py.Dataset]]] = {}
-        self._maps: Dict[int, Dict[str, Optional[MappedKey]]] = {}
+        self._maps: Dict[int, Dict[str, Reader]] = {}
         self._mmaps: Dict[int, Any] = {}
         self._drivers: Dict[int, Optional[str]] = {}
         self._pid: Optional[int] = None
@@ -304,8 +317,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             self._maps.pop(i, None)
         return f
 
-    def _mapped(self, i: int) -> Dict[str, Optional[MappedKey]]:
-        """Memory-mapped keys of file ``i`` (None: read that key through HDF5)."""
+    def _readers(self, i: int) -> Dict[str, Reader]:
+        """How each key of file ``i`` is read around HDF5: a :class:`MappedKey`
+        (uncompressed), a :class:`ChunkedKey` (compressed, decoded here), or None (through
+        HDF5: other filters, ``memory_map=False``, mpio files)."""
         found = self._maps.get(i)
         if found is not None and self._pid == os.getpid():
             return found
@@ -319,6 +334,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 self._mmaps[i] = mm
                 for key in self.keys:
                     found[key], why = map_dataset(dsets[key], mm)
+                    if found[key] is None and dsets[key].compression is not None:
+                        found[key], why = chunked_dataset(dsets[key], mm)
                     if found[key] is None:
                         log.debug("data: %s[%s] read through HDF5 (%s)", self.paths[i], key, why)
         self._maps[i] = found
@@ -356,68 +373,100 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
 
     # -- reading ----------------------------------------------------------------------
     def _read_window(self, ids: np.ndarray, staging: Dict[str, np.ndarray], pool: "_WindowPool"
-                     ) -> Tuple[Dict[str, np.ndarray], Optional[Tuple[Dict[str, np.ndarray], np.ndarray, List[str]]],
-                                CopyJob]:
+                     ) -> Tuple[Dict[str, np.ndarray], CopyJob]:
         """Read the rows of ``ids`` (in plan order) into window arrays taken from ``pool``.
 
-        Returns ``(arrays, pending, job)``. ``job`` holds the copies of the memory-mapped
-        keys, not yet run: the caller publishes it and runs it (``job.work()``), and whoever
-        needs the window calls ``job.wait()``. ``pending`` is None when every other key is
-        in place, or ``(staging, rows, keys)``: those keys were read into the reused
-        ``staging`` buffers and still need the in-memory shuffle
-        ``arrays[k] = staging[k][rows]`` (:meth:`_arrange`, run by the consumer so that it
-        overlaps the next read).
+        Returns ``(arrays, job)``: ``job`` holds the copies not yet run, in two phases (read
+        the sorted runs of rows that cover the window, then shuffle them into plan order):
+        the caller publishes it and runs it (``job.work()``), and whoever needs the window
+        calls ``job.wait()``. Keys read through HDF5 are read here, before ``job`` exists.
 
-        Other keys than memory-mapped ones: ascending ids
-        (``shuffle="block"`` sorts each window; ``shuffle=False``) covered by few runs are
-        read straight into ``arrays`` with one HDF5 call per run; otherwise (in-window
-        shuffle, strided, repeated padding ids) the sorted runs covering the ids are read
-        into ``staging``.
+        Ascending ids covered by few runs (``shuffle="block"`` sorts each window;
+        ``shuffle=False``) are read straight into ``arrays``. Otherwise the sorted runs
+        covering the ids are read into the reused ``staging`` buffers, then gathered into
+        ``arrays`` in plan order while the window is still in the CPU cache (keep windows
+        cache-sized: ``window_bytes``). Memory-mapped keys whose ids are sparse (strided
+        policy: the runs would hold several times the rows needed) skip staging and are
+        gathered from the file map directly.
         """
         arrays = pool.take(len(ids))
         if not len(ids):
-            return arrays, None, CopyJob([])
+            return arrays, CopyJob([])
         files, rows = locate(ids, self.offsets)
         lo, hi = int(files.min()), int(files.max())
         touched = [lo] if lo == hi else np.unique(files).tolist()
-        maps = {fi: self._mapped(fi) for fi in touched}
-        hdf5_keys = []
-        tasks = []
-        for key in self.keys:
-            mks = [maps[fi][key] for fi in touched]
-            if all(mk is not None for mk in mks):
-                which = files if len(touched) == 1 else np.searchsorted(np.array(touched), files)
-                tasks += gather_tasks(mks, which, rows, arrays[key])
-            else:
-                hdf5_keys.append(key)
-        job = CopyJob(tasks)
-        if not hdf5_keys:
-            return arrays, None, job
+        readers = {fi: self._readers(fi) for fi in touched}
+        direct = sparse = False
         if np.all(ids[1:] > ids[:-1]):
             runs = read_runs(ids, self.offsets, max_gap=0, ascending=True)
-            if len(runs) <= max(1, len(ids) // 16):  # not e.g. strided ids: one read per sample
+            direct = len(runs) <= max(1, len(ids) // 16)  # not e.g. strided ids: one read per sample
+        if not direct:
+            runs = read_runs(ids, self.offsets, max_gap=self._gap)
+        lengths = np.array([r1 - r0 for _, r0, r1 in runs], np.int64)
+        where = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        total = int(lengths.sum())
+        if not direct:
+            starts = np.array([self.offsets[fi] + r0 for fi, r0, _ in runs], np.int64)
+            run = np.searchsorted(starts, ids, side="right") - 1
+            gather_rows = where[run] + (ids - starts[run])
+            sparse = total > 2 * len(ids)  # e.g. strided ids: runs hold mostly unused rows
+            if SCATTER and not sparse:
+                # Where each row of the runs goes in the window (-1: not needed). A row needed
+                # twice (padding repeats) is read into one place and copied to the others.
+                dest = np.full(total, -1, np.int64)
+                positions = np.arange(len(ids), dtype=np.int64)
+                dest[gather_rows] = positions
+                first = dest[gather_rows]
+                repeats = np.flatnonzero(first != positions)
+                repeat_src = first[repeats]
+        reads: List[Callable[[], None]] = []
+        shuffles: List[Callable[[], None]] = []
+        hdf5_keys = []
+        for key in self.keys:
+            found = [readers[fi][key] for fi in touched]
+            if any(r is None for r in found):
+                hdf5_keys.append(key)
+                continue
+            mapped = all(isinstance(r, MappedKey) for r in found)
+            if mapped and (direct or sparse):
+                which = files if len(touched) == 1 else np.searchsorted(np.array(touched), files)
+                reads += gather_tasks(found, which, rows, arrays[key])
+                continue
+            if mapped and SCATTER:
+                for (fi, r0, r1), at in zip(runs, where.tolist()):
+                    reads += readers[fi][key].scatter_tasks(r0, r1, arrays[key], dest[at:at + r1 - r0])
+                if len(repeats):
+                    shuffles.append(functools.partial(_copy_rows, arrays[key], repeat_src, repeats))
+                continue
+            target = arrays[key] if direct else self._staging(staging, key, total)
+            for (fi, r0, r1), at in zip(runs, where.tolist()):
+                reads += _fill_tasks(readers[fi][key], r0, r1, target[at:at + r1 - r0])
+            if not direct:
+                shuffles += take_tasks(target, gather_rows, arrays[key])
+        if hdf5_keys:
+            if direct:
                 self._read_runs(runs, arrays, hdf5_keys)
-                return arrays, None, job
-        runs = read_runs(ids, self.offsets, max_gap=self._gap)
-        total = sum(hi - lo for _, lo, hi in runs)
-        for key in hdf5_keys:
+            else:
+                for key in hdf5_keys:
+                    self._staging(staging, key, total)
+                self._read_runs(runs, staging, hdf5_keys)
+                for key in hdf5_keys:
+                    shuffles += take_tasks(staging[key], gather_rows, arrays[key])
+        return arrays, CopyJob(reads, shuffles)
+
+    def _staging(self, staging: Dict[str, np.ndarray], key: str, rows: int) -> np.ndarray:
+        """The reused staging buffer of ``key``, at least ``rows`` rows (exactly ``rows`` returned)."""
+        buf = staging.get(key)
+        if buf is None or buf.shape[0] < rows:
             info = self.files[0].keys[key]
-            buf = staging.get(key)
-            if buf is None or buf.shape[0] < total:
-                staging[key] = np.empty((max(total, 1),) + info.shape[1:], dtype=info.dtype)
-        where = self._read_runs(runs, staging, hdf5_keys)
-        starts = np.array([self.offsets[fi] + lo for fi, lo, _ in runs], np.int64)
-        run = np.searchsorted(starts, ids, side="right") - 1
-        return arrays, (staging, where[run] + (ids - starts[run]), hdf5_keys), job
+            buf = staging[key] = np.empty((max(rows, 1),) + info.shape[1:], dtype=info.dtype)
+        return buf[:rows]
 
-    def _read_runs(self, runs: List[Tuple[int, int, int]], out: Dict[str, np.ndarray], keys: Sequence[str]
-                   ) -> np.ndarray:
-        """Read sorted runs of ``keys`` into ``out`` back to back through HDF5; return where
-        each run starts in ``out``.
+    def _read_runs(self, runs: List[Tuple[int, int, int]], out: Dict[str, np.ndarray], keys: Sequence[str]) -> None:
+        """Read sorted runs of ``keys`` through HDF5 into ``out`` back to back.
 
-        Runs are whole blocks (several MiB), so per-call costs stay small.
+        Runs are whole blocks (one or more HDF5 chunks), so per-call costs stay small.
         """
-        where = np.empty(len(runs), np.int64)
         pos = 0
         j = 0
         while j < len(runs):
@@ -433,22 +482,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     _read_union(dsets[key], mine, out[key][pos:pos + rows])
                 except Exception as exc:  # damaged chunk, fletcher32 mismatch, ...
                     raise read_error(exc, self.paths[fi], key) from exc
-            for _, lo, hi in mine:
-                where[j] = pos
-                pos += hi - lo
-                j += 1
-        return where
-
-    def _arrange(self, arrays: Dict[str, np.ndarray],
-                 pending: Optional[Tuple[Dict[str, np.ndarray], np.ndarray, List[str]]]) -> Dict[str, np.ndarray]:
-        """Finish a window: gather the keys read into staging buffers into the window arrays
-        in plan order, one ``numpy.take`` per key (the in-memory shuffle; it runs without the
-        GIL, overlapping the producer's next read)."""
-        if pending is not None:
-            staging, rows, keys = pending
-            for key in keys:
-                np.take(staging[key], rows, axis=0, out=arrays[key], mode="clip")  # rows are valid
-        return arrays
+            pos += rows
+            j = k
 
     def _windows(self, plan: RankPlan) -> List[Tuple[int, int]]:
         w = self.window_steps
@@ -532,10 +567,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         if self.prefetch == 0:
             staging: Dict[str, np.ndarray] = {}
             for s0, s1 in windows:
-                arrays, pending, job = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                arrays, job = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
                 job.wait()
-                arrays = self._arrange(arrays, pending)
-                del pending
                 yield from self._batches(plan, (s0, s1), arrays, mask, index)
                 del arrays
             return
@@ -558,9 +591,9 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     staging = free.get()
                     if stop.is_set():
                         return
-                    arrays, pending, job = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
+                    arrays, job = self._read_window(plan.indices[s0 * b:s1 * b], staging, pool)
                     # Published before it is copied: a consumer waiting for it helps copy.
-                    ready.put(((s0, s1), arrays, pending, staging, job))
+                    ready.put(((s0, s1), arrays, staging, job))
                     job.work()
                 ready.put(done)
             except BaseException as exc:  # handed to the consumer, raised there
@@ -575,12 +608,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                window, arrays, pending, staging, job = item
+                window, arrays, staging, job = item
                 item = None
                 job.wait()
                 job = None
-                arrays = self._arrange(arrays, pending)
-                pending = None
                 free.put(staging)  # gathered (or never used): the producer may refill it
                 staging = None
                 yield from self._batches(plan, window, arrays, mask, index)
@@ -589,6 +620,15 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             stop.set()
             free.put({})  # wake the producer if it waits for a buffer
             thread.join()
+
+
+def _copy_rows(out: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+    out[dst_rows] = out[src_rows]
+
+
+def _fill_tasks(reader: Union[MappedKey, ChunkedKey], lo: int, hi: int, out: np.ndarray) -> List[Callable[[], None]]:
+    """Tasks that put rows ``[lo, hi)`` of one file's dataset into ``out`` (``hi - lo`` rows)."""
+    return reader.fill_tasks(lo, hi, out)
 
 
 def _read_union(dset: h5py.Dataset, runs: Sequence[Tuple[int, int, int]], out: np.ndarray) -> None:

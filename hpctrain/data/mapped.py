@@ -22,7 +22,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import h5py
 import numpy as np
@@ -89,13 +89,15 @@ class Segment:
     offset: int
 
 
-def _chunk_offsets(dset: h5py.Dataset) -> Optional[List[Tuple[int, int, int]]]:
-    """``(first row, byte offset, stored size)`` of every chunk, or None if unavailable."""
-    found: List[Tuple[int, int, int]] = []
+def chunk_table(dset: h5py.Dataset) -> Optional[List[Tuple[int, int, int, int]]]:
+    """``(first row, byte offset or -1, stored size, filter mask)`` of every stored chunk, or
+    None if unavailable."""
+    found: List[Tuple[int, int, int, int]] = []
     dsid = dset.id
     if hasattr(dsid, "chunk_iter"):
         dsid.chunk_iter(lambda info: found.append(
-            (int(info.chunk_offset[0]), -1 if info.byte_offset is None else int(info.byte_offset), int(info.size))))
+            (int(info.chunk_offset[0]), -1 if info.byte_offset is None else int(info.byte_offset), int(info.size),
+             int(info.filter_mask))))
         return found
     count = dsid.get_num_chunks()
     if count > MAX_CHUNKS_WITHOUT_ITER:
@@ -103,7 +105,7 @@ def _chunk_offsets(dset: h5py.Dataset) -> Optional[List[Tuple[int, int, int]]]:
     for i in range(count):
         info = dsid.get_chunk_info(i)
         found.append((int(info.chunk_offset[0]), -1 if info.byte_offset is None else int(info.byte_offset),
-                      int(info.size)))
+                      int(info.size), int(info.filter_mask)))
     return found
 
 
@@ -132,14 +134,14 @@ def segments_of(dset: h5py.Dataset) -> Tuple[Optional[List[Segment]], str]:
     if tuple(dset.chunks[1:]) != tuple(dset.shape[1:]):
         return None, "chunks do not span whole rows"
     chunk_bytes = chunk_rows * row_bytes
-    chunks = _chunk_offsets(dset)
+    chunks = chunk_table(dset)
     if chunks is None:
         return None, "too many chunks to list"
     if len(chunks) != -(-n // chunk_rows):
         return None, "not every chunk is allocated"
     chunks.sort()
     segs: List[Segment] = []
-    for row, offset, size in chunks:
+    for row, offset, size, _ in chunks:
         if offset < 0 or size != chunk_bytes:
             return None, "a chunk is not stored plainly"
         rows = min(chunk_rows, n - row)
@@ -191,6 +193,44 @@ class MappedKey:
         s = np.searchsorted(self.seg_row, rows, side="right") - 1
         return self.seg_group[s], self.seg_vrow[s] + (rows - self.seg_row[s])
 
+    def pieces(self, lo: int, hi: int) -> Iterator[Tuple[int, int, int]]:
+        """Rows ``[lo, hi)`` as ``(a, b, file offset of row a)`` pieces stored back to back,
+        each at most :data:`TASK_BYTES`."""
+        per_task = max(1, TASK_BYTES // self.row_bytes)
+        s = int(np.searchsorted(self.seg_row, lo, side="right")) - 1
+        row = lo
+        while row < hi:
+            stop = min(hi, int(self.seg_row[s + 1])) if s + 1 < len(self.seg_row) else hi
+            base = self.view_offset[int(self.seg_group[s])] + (int(self.seg_vrow[s]) - int(self.seg_row[s])) * self.row_bytes
+            for a in range(row, stop, per_task):
+                yield a, min(stop, a + per_task), base + a * self.row_bytes
+            row = stop
+            s += 1
+
+    def fill_tasks(self, lo: int, hi: int, out: np.ndarray) -> List[Callable[[], None]]:
+        """Tasks that ``preadv`` rows ``[lo, hi)`` into the C-contiguous ``out`` (``hi - lo``
+        rows), one per piece stored back to back."""
+        dst = out.reshape(hi - lo, -1).view(np.uint8)
+        return [functools.partial(self._guarded, pread_into, self.fd, dst[a - lo:b - lo], offset)
+                for a, b, offset in self.pieces(lo, hi)]
+
+    def scatter_tasks(self, lo: int, hi: int, out: np.ndarray, dest: np.ndarray) -> List[Callable[[], None]]:
+        """Tasks that read rows ``[lo, hi)`` and put row ``lo + r`` at row ``dest[r]`` of the
+        C-contiguous ``out`` (``dest[r] < 0``: not read): a shuffled window read with one copy,
+        ``preadv`` scattering rows to their places. Needs :mod:`hpctrain.data._codecs`."""
+        from hpctrain.data import _codecs
+
+        dst = out.reshape(len(out), -1).view(np.uint8)
+        return [functools.partial(self._guarded, _codecs.pread_rows, self.fd, offset, self.row_bytes,
+                                  dest[a - lo:b - lo], dst)
+                for a, b, offset in self.pieces(lo, hi)]
+
+    def _guarded(self, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as exc:  # e.g. the file was truncated after it was opened
+            raise read_error(exc, self.path, self.key) from exc
+
     def release(self) -> None:
         self.views = []
 
@@ -221,40 +261,68 @@ TASK_BYTES = 1 << 20  # copy tasks of about this size: a waiting consumer can ta
 
 
 class CopyJob:
-    """A window's copies as small tasks that several threads may run together.
+    """A window's copies as small tasks that several threads may run together, in phases.
 
     The prefetch thread publishes the job, then works through it; a consumer that would
     otherwise wait for this window joins in (:meth:`work`) instead of idling. Each task is
-    a GIL-free ``preadv`` or ``numpy.take``, so two threads copy at once.
+    a GIL-free ``preadv``, chunk decode or ``numpy.take``, so two threads copy at once. The
+    tasks of a phase start once every task of the phase before has finished (e.g. read
+    the window's blocks into a staging buffer, then shuffle them into place while they are
+    still in the CPU cache). After a failed task the later phases are skipped.
     """
 
-    def __init__(self, tasks: List[Callable[[], None]]) -> None:
-        self.tasks = tasks
+    def __init__(self, tasks: List[Callable[[], None]], *later: List[Callable[[], None]]) -> None:
+        self.phases = [p for p in (tasks,) + later if p]
+        self._phase = 0
         self._next = 0
-        self._left = len(tasks)
-        self._lock = threading.Lock()
+        self._left = len(self.phases[0]) if self.phases else 0
+        self._cond = threading.Condition()
         self._done = threading.Event()
         self.error: Optional[BaseException] = None
-        if not tasks:
+        if not self.phases:
             self._done.set()
+
+    def _advance(self) -> None:
+        """The current phase has finished (lock held): open the next one, or finish."""
+        self._phase += 1
+        if self.error is not None:
+            self._phase = len(self.phases)
+        self._next = 0
+        if self._phase >= len(self.phases):
+            self._done.set()
+        else:
+            self._left = len(self.phases[self._phase])
+        self._cond.notify_all()
+
+    def _claim(self) -> Optional[Callable[[], None]]:
+        """The next task to run, waiting for the current phase to finish if need be; None
+        when every task has been claimed."""
+        with self._cond:
+            while self._phase < len(self.phases):
+                tasks = self.phases[self._phase]
+                if self._next < len(tasks):
+                    self._next += 1
+                    return tasks[self._next - 1]
+                if self._phase == len(self.phases) - 1:
+                    return None  # the last tasks are running: nothing left to claim
+                self._cond.wait()
+            return None
 
     def work(self) -> None:
         """Run unclaimed tasks until none is left."""
         while True:
-            with self._lock:
-                i = self._next
-                if i >= len(self.tasks):
-                    return
-                self._next = i + 1
+            task = self._claim()
+            if task is None:
+                return
             try:
-                self.tasks[i]()
+                task()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 if self.error is None:
                     self.error = exc
-            with self._lock:
+            with self._cond:
                 self._left -= 1
                 if self._left == 0:
-                    self._done.set()
+                    self._advance()
 
     def wait(self) -> None:
         """Help, then block until every task has finished; raise the first task's error."""
@@ -262,6 +330,16 @@ class CopyJob:
         self._done.wait()
         if self.error is not None:
             raise self.error
+
+
+def take_tasks(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> List[Callable[[], None]]:
+    """Tasks that copy ``out[i] = src[rows[i]]`` (rows valid), about :data:`TASK_BYTES` each."""
+    n = len(rows)
+    row_bytes = max(1, out[:1].nbytes)
+    per_task = max(1, TASK_BYTES // row_bytes)
+    # mode="clip": indices are valid, and numpy then writes into out unbuffered
+    return [functools.partial(np.take, src, rows[lo:lo + per_task], 0, out[lo:lo + per_task], "clip")
+            for lo in range(0, n, per_task)]
 
 
 def gather_tasks(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray, out: np.ndarray

@@ -477,3 +477,37 @@ def test_lzf_every_truncation_of_a_real_chunk(tmp_path):
             continue
         assert n < codec.chunk_bytes  # a cut at an instruction boundary decodes a prefix
         assert out[:n].tobytes() == full[:n].tobytes()
+
+
+def test_pread_rows_scatters_file_rows_to_their_places(tmp_path):
+    """Row r of a file range lands at row index[r] of dst (negative: skipped, not read), over
+    more rows than one preadv takes (IOV_MAX), merged stretches, and a short file."""
+    rows, width = 5000, 12
+    data = np.arange(rows * width, dtype=np.uint8).reshape(rows, width)  # wraps: fine, still distinct per row
+    data[:, 0] = np.arange(rows) % 251
+    data[:, 1] = np.arange(rows) // 251
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"HEAD" + data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rng = np.random.default_rng(0)
+        stretch = (np.arange(rows) >= 100) & (np.arange(rows) < 300)
+        dst_index = np.full(rows, -1, np.int64)
+        dst_index[stretch] = np.arange(1000, 1200)  # consecutive in file and dst: one iovec
+        others = np.flatnonzero(~stretch & (rng.random(rows) > 0.1))  # ~10% not needed
+        free = np.setdiff1d(np.arange(rows), np.arange(1000, 1200))
+        dst_index[others] = rng.permutation(free)[:len(others)]
+        keep = dst_index >= 0
+        dst = np.zeros((rows, width), np.uint8)
+        _codecs.pread_rows(fd, 4, width, dst_index, dst)  # 4: after the header
+        np.testing.assert_array_equal(dst[dst_index[keep]], data[keep])
+        untouched = np.setdiff1d(np.arange(rows), dst_index[keep])
+        assert not dst[untouched].any()
+        with pytest.raises(OSError, match="file ended"):
+            _codecs.pread_rows(fd, 4 + (rows - 2) * width, width, np.arange(5, dtype=np.int64), dst)
+        with pytest.raises(ValueError, match="past the"):
+            _codecs.pread_rows(fd, 4, width, np.array([0, rows], np.int64), dst)
+        with pytest.raises(TypeError):
+            _codecs.pread_rows(fd, 4, width, np.arange(3, dtype=np.int64), b"read-only")
+    finally:
+        os.close(fd)

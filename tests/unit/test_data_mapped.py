@@ -9,7 +9,9 @@ import torch
 
 from hpctrain.data import HDF5Dataset
 from hpctrain.data.errors import CorruptFileError
-from hpctrain.data.mapped import gather, map_dataset, open_map, segments_of
+from hpctrain.data import codecs
+from hpctrain.data.chunked import ChunkedKey
+from hpctrain.data.mapped import MappedKey, gather, map_dataset, open_map, segments_of
 
 
 def rows(n, start=0, features=3, dtype=np.float32):
@@ -112,7 +114,9 @@ def test_loader_same_batches_mapped_or_not(tmp_path, shuffle, policy):
             n += 1
         assert n == len(mapped) == len(plain)
         for i, m in mapped._maps.items():  # the files this rank touched
-            assert m["x"] is not None and (m["y"] is None) == (i == 1)
+            assert isinstance(m["x"], MappedKey)
+            lzf = ChunkedKey if codecs._codecs is not None else type(None)  # decoded here, or through HDF5
+            assert isinstance(m["y"], lzf if i == 1 else MappedKey), (i, m["y"])
         if 0 in mapped._maps:
             assert len(mapped._maps[0]["x"].views) == 2
         assert all(m[k] is None for m in plain._maps.values() for k in m)
@@ -166,3 +170,41 @@ def test_read_error_of_a_mapped_key_reaches_the_consumer(tmp_path, monkeypatch):
     with pytest.raises(CorruptFileError, match="injected") as info:
         list(ds)
     assert p in str(info.value) and "'x'" in str(info.value)
+
+
+def test_copy_job_runs_phases_in_order_across_threads():
+    """A later phase starts only when every task of the one before has finished, whichever
+    thread ran them; a failed task skips the later phases and wait() raises it."""
+    import threading
+    import time
+
+    from hpctrain.data.mapped import CopyJob
+
+    log = []
+    lock = threading.Lock()
+
+    def task(name, delay):
+        def run():
+            time.sleep(delay)
+            with lock:
+                log.append(name)
+        return run
+
+    job = CopyJob([task("a1", 0.05), task("a2", 0.0), task("a3", 0.02)], [task("b1", 0.0), task("b2", 0.0)])
+    helper = threading.Thread(target=job.work)
+    helper.start()
+    job.wait()
+    helper.join()
+    assert sorted(log[:3]) == ["a1", "a2", "a3"] and sorted(log[3:]) == ["b1", "b2"], log
+
+    def boom():
+        raise OSError("disk gone")
+
+    ran = []
+    failing = CopyJob([boom, task("a", 0.0)], [lambda: ran.append("b")])
+    with pytest.raises(OSError, match="disk gone"):
+        failing.wait()
+    assert ran == []
+    CopyJob([]).wait()  # nothing to do: returns at once
+    CopyJob([], [task("only-later", 0.0)]).wait()
+    assert log[-1] == "only-later"
