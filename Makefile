@@ -38,7 +38,7 @@ demo: setup
 test: setup
 	bash .ci/services.sh start
 	bash tests/mpio/setup-env.sh || echo "NOTE: no parallel-HDF5 test environment (Debian 12 only): the mpio loader test will skip"
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
