@@ -117,7 +117,7 @@ class NodeFlags:
     # ------------------------------------------------------------------ operations
     def barrier(self, dog, what, describe) -> None:
         """Every local rank has arrived (a memory barrier too: writes before it are visible after)."""
-        self._check(self.ctx.exchange(None, None, 0, 0, dog.timeout), dog, what, describe, None)
+        self.check(self.ctx.exchange(None, None, 0, 0, dog.timeout), dog, what, describe, None)
 
     def agree(self, header, dog, what, describe, group) -> None:
         """The agreement check of guard.agree, in one flag exchange. ``header``: the 7 fields
@@ -125,16 +125,18 @@ class NodeFlags:
         packed = header if isinstance(header, bytes) else HEADER.pack(*(int(v) for v in header), 0)
         status = self.ctx.exchange(packed, None, 0, 0, dog.timeout)
         if status:
-            self._check(status, dog, what, describe, group)
+            self.check(status, dog, what, describe, group)
 
     def allreduce_(self, arr: np.ndarray, dtype_code: int, op: str, header: Optional[bytes], dog, what,
                    describe, group) -> None:
         """Small all-reduce of ``arr`` in place (``arr.nbytes <= slot_bytes``, a FAST dtype)."""
         status = self.ctx.exchange(header, arr, dtype_code, OP_CODES[op], dog.timeout)
         if status:
-            self._check(status, dog, what, describe, group)
+            self.check(status, dog, what, describe, group)
 
-    def _check(self, status: int, dog, what, describe, group) -> None:
+    def check(self, status: int, dog, what, describe, group) -> None:
+        """Raise for a failed exchange: a header mismatch (every rank's header named), or a
+        stall (reported and the job aborted by ``dog``)."""
         if status == ST_OK:
             return
         if status == ST_MISMATCH:
