@@ -74,42 +74,61 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what,
 
     Bitwise-identical result on every rank: each chunk is reduced once, by its owner, and
     then copied to everyone. ``average_over`` overrides the divisor of 'avg' (hierarchical).
+    The per-size schedule is cached (:func:`plan.ring_schedule`): a call costs its messages
+    and reductions plus a few µs of Python.
     """
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size = comm.Get_size()
     if size > 1 and arr.size:
-        bounds = plan.chunk_bounds(arr.size, size)
-        left, right = plan.ring_neighbors(rank, size)
         seg = max(1, RING_SEGMENT_BYTES // arr.itemsize)
-        scratch = _scratch(comm, max(b - a for a, b in bounds), arr.dtype)
+        sched = plan.ring_schedule(arr.size, size, comm.Get_rank(), seg)
+        left, right = sched.left, sched.right
+        scratch = _scratch(comm, sched.max_chunk, arr.dtype)
         red = "sum" if op == "avg" else op
-        with dog.watch(suffixed(what, " (ring reduce-scatter)"), lambda: f"{describe(left)} (left neighbour)"):
-            for step in range(size - 1):
-                send_c, recv_c = plan.reduce_scatter_step(rank, size, step)
-                _ring_exchange(comm, arr, bounds[send_c], bounds[recv_c], right, left, seg,
-                               scratch=scratch, reduce_op=red, dtype_name=dtype_name)
-        own = bounds[plan.owned_chunk(rank, size)]
-        if op == "avg":
-            finish_average(arr[own[0]:own[1]], average_over or size, dtype_name)
-        with dog.watch(suffixed(what, " (ring all-gather)"), lambda: f"{describe(left)} (left neighbour)"):
-            for step in range(size - 1):
-                send_c, recv_c = plan.allgather_step(rank, size, step)
-                _ring_exchange(comm, arr, bounds[send_c], bounds[recv_c], right, left, seg)
+        sendrecv = comm.Sendrecv
+        with dog.watch(suffixed(what, " (ring)"), lambda: f"{describe(left)} (left neighbour)"):
+            for st in sched.reduce_scatter:
+                if st.single:
+                    (sa, sb), (ra, rb) = st.send, st.recv
+                    into = scratch[:rb - ra]
+                    sendrecv(arr[sa:sb], dest=right, recvbuf=into, source=left)
+                    reduce_into(arr[ra:rb], into, red, dtype_name)
+                else:
+                    _ring_exchange(comm, arr, st.send, st.recv, right, left, seg,
+                                   scratch=scratch, reduce_op=red, dtype_name=dtype_name)
+            if op == "avg":
+                finish_average(arr[sched.owned[0]:sched.owned[1]], average_over or size, dtype_name)
+            for st in sched.allgather:
+                if st.single:
+                    (sa, sb), (ra, rb) = st.send, st.recv
+                    sendrecv(arr[sa:sb], dest=right, recvbuf=arr[ra:rb], source=left)
+                else:
+                    _ring_exchange(comm, arr, st.send, st.recv, right, left, seg)
     elif op == "avg" and average_over:
         finish_average(arr, average_over, dtype_name)
 
 
-_SCRATCH: dict = {}  # communicator handle → reusable receive buffer of the ring
+_SCRATCH: dict = {}  # id(communicator) → reusable receive buffer of the ring
+_SCRATCH_VIEWS: dict = {}  # (id(communicator), count, dtype) → typed view of that buffer
 
 
 def _scratch(comm, count: int, dtype) -> np.ndarray:
     """A receive buffer for ``count`` elements, reused across calls: a fresh ≥128 KiB array is
-    an mmap whose pages fault in on first touch (~2 µs each), on every call."""
+    an mmap whose pages fault in on first touch (~2 µs each), on every call. Keyed by the
+    communicator object's id (one buffer per ring communicator; a recycled id only means a
+    buffer is reused, which is harmless); the typed view is cached too."""
+    key = (id(comm), count, dtype)
+    view = _SCRATCH_VIEWS.get(key)
+    if view is not None:
+        return view
     nbytes = count * np.dtype(dtype).itemsize
-    key = comm.py2f()
-    buf = _SCRATCH.get(key)
+    buf = _SCRATCH.get(id(comm))
     if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH[key] = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buf[:nbytes].view(dtype)
+        buf = _SCRATCH[id(comm)] = np.empty(max(nbytes, 1), dtype=np.uint8)
+        _SCRATCH_VIEWS.clear()  # views of a replaced buffer must not be handed out again
+    if len(_SCRATCH_VIEWS) > 256:
+        _SCRATCH_VIEWS.clear()
+    view = _SCRATCH_VIEWS[key] = buf[:nbytes].view(dtype)
+    return view
 
 
 def _ring_exchange(comm, arr, send_b, recv_b, right, left, seg, scratch=None, reduce_op=None,

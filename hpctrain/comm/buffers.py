@@ -124,8 +124,11 @@ def rebuild(flat: Flat, array: np.ndarray, shape: Optional[tuple] = None) -> Any
 
 
 # --------------------------------------------------------------------------- reductions
+_NP_KERNELS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
+
+
 def _np_kernel(op: str) -> Callable:
-    return {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}[op]
+    return _NP_KERNELS[op]
 
 
 def _bool_kernel(op: str) -> Callable:

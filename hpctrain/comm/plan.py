@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Dict, List, Sequence, Tuple
 
 Bounds = Tuple[int, int]
@@ -60,6 +60,49 @@ def allgather_step(rank: int, size: int, step: int) -> Tuple[int, int]:
     """Chunk ids (send, receive) at ``step`` of the ring all-gather (0 ≤ step < size−1)."""
     _check_rank(rank, size)
     return (rank + 1 - step) % size, (rank - step) % size
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of the ring on one rank: send ``send``, receive ``recv`` (element bounds);
+    ``single``: both fit one segment (one Sendrecv instead of pipelined segments)."""
+
+    send: Bounds
+    recv: Bounds
+    single: bool
+
+
+@dataclass(frozen=True)
+class RingSchedule:
+    """Everything one rank's ring all-reduce of ``length`` elements does, computed once."""
+
+    left: int
+    right: int
+    reduce_scatter: Tuple[RingStep, ...]
+    allgather: Tuple[RingStep, ...]
+    owned: Bounds
+    max_chunk: int
+
+
+@lru_cache(maxsize=512)
+def ring_schedule(length: int, size: int, rank: int, seg_elems: int) -> RingSchedule:
+    """The ring all-reduce of ``length`` elements on ``rank`` of ``size``, with segments of at
+    most ``seg_elems`` elements (cached: a training loop all-reduces the same sizes every
+    step, and building this costs more than a small message's transfer)."""
+    bounds = chunk_bounds(length, size)
+    left, right = ring_neighbors(rank, size)
+
+    def step(send_chunk: int, recv_chunk: int) -> RingStep:
+        send, recv = bounds[send_chunk], bounds[recv_chunk]
+        return RingStep(send, recv, send[1] - send[0] <= seg_elems and recv[1] - recv[0] <= seg_elems)
+
+    return RingSchedule(
+        left, right,
+        tuple(step(*reduce_scatter_step(rank, size, k)) for k in range(size - 1)),
+        tuple(step(*allgather_step(rank, size, k)) for k in range(size - 1)),
+        bounds[owned_chunk(rank, size)],
+        max(b - a for a, b in bounds),
+    )
 
 
 def segments(start: int, stop: int, seg_elems: int) -> List[Bounds]:

@@ -122,7 +122,9 @@ class NodeFlags:
     def agree(self, header, dog, what, describe, group) -> None:
         """The agreement check of guard.agree, in one flag exchange. ``header``: the 7 fields
         of guard.make_header, or those already packed with HEADER."""
-        packed = header if isinstance(header, bytes) else HEADER.pack(*(int(v) for v in header), 0)
+        if not isinstance(header, bytes):
+            header = HEADER.pack(*(header.tolist() if isinstance(header, np.ndarray) else map(int, header)), 0)
+        packed = header
         status = self.ctx.exchange(packed, None, 0, 0, dog.timeout)
         if status:
             self.check(status, dog, what, describe, group)

@@ -18,35 +18,33 @@ def test_chunk_bounds_cover_in_order_and_balance(length, parts):
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
-def simulate_ring(values):
-    """Run the ring schedule for every rank in one process, exactly as ring_ does."""
+def simulate_ring(values, seg=3):
+    """Run every rank's plan.ring_schedule in one process, exactly as ring_ does."""
     n, length = len(values), len(values[0])
     bufs = [np.array(v, dtype=np.int64) for v in values]
-    bounds = plan.chunk_bounds(length, n)
-    for step in range(n - 1):
-        sent = {}
-        for r in range(n):
-            send_c, _ = plan.reduce_scatter_step(r, n, step)
-            a, b = bounds[send_c]
-            sent[(r + 1) % n] = (send_c, bufs[r][a:b].copy())
-        for r in range(n):
-            _, recv_c = plan.reduce_scatter_step(r, n, step)
-            chunk, data = sent[r]
-            assert chunk == recv_c, "receiver expects the chunk its left neighbour sends"
-            a, b = bounds[recv_c]
-            bufs[r][a:b] += data
-    for step in range(n - 1):
-        sent = {}
-        for r in range(n):
-            send_c, _ = plan.allgather_step(r, n, step)
-            a, b = bounds[send_c]
-            sent[(r + 1) % n] = (send_c, bufs[r][a:b].copy())
-        for r in range(n):
-            _, recv_c = plan.allgather_step(r, n, step)
-            chunk, data = sent[r]
-            assert chunk == recv_c
-            a, b = bounds[recv_c]
-            bufs[r][a:b] = data
+    scheds = [plan.ring_schedule(length, n, r, seg) for r in range(n)]
+    for r, s in enumerate(scheds):
+        assert (s.left, s.right) == plan.ring_neighbors(r, n)
+        assert s.max_chunk == max(b - a for a, b in plan.chunk_bounds(length, n))
+    for phase in ("reduce_scatter", "allgather"):
+        for step in range(n - 1):
+            sent = {}
+            for r, s in enumerate(scheds):
+                st_ = getattr(s, phase)[step]
+                a, b = st_.send
+                assert st_.single == (b - a <= seg and st_.recv[1] - st_.recv[0] <= seg)
+                sent[s.right] = ((a, b), bufs[r][a:b].copy())
+            for r, s in enumerate(scheds):
+                st_ = getattr(s, phase)[step]
+                bounds, data = sent[r]
+                assert bounds == st_.recv, "receiver expects the chunk its left neighbour sends"
+                a, b = st_.recv
+                if phase == "reduce_scatter":
+                    bufs[r][a:b] += data
+                else:
+                    bufs[r][a:b] = data
+    for r, s in enumerate(scheds):  # after the reduce-scatter each rank owned one chunk
+        assert s.owned == plan.chunk_bounds(length, n)[plan.owned_chunk(r, n)]
     return bufs
 
 
