@@ -1,7 +1,9 @@
 """All-reduce benchmark: hpctrain's algorithms against the MPI library's own MPI_Allreduce,
 torch.distributed Gloo and Horovod (when importable), in one run.
 
-Every algorithm reduces the same in-place buffer (what gradient reduction does). A time is
+Every algorithm reduces the same in-place buffer (what gradient reduction does; one buffer
+per size shared by all competitors, refilled before each: a copy's speed here depends on
+where the buffer's pages lie). A time is
 the slowest rank's mean over --iters after --warmup; with --repeats R the table shows the
 median over repeats and the spread (min–max). Order of competitors rotates per repeat.
 The reference ("best MPI") is, per size, the faster of the MPI library's in-place and
@@ -116,7 +118,13 @@ def _raw_mpi_runner(in_place: bool):
 
     if in_place:
         return lambda buf: (lambda: mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
-    return lambda buf: (lambda out=np.empty_like(buf): mpi_comm.Allreduce(buf, out, op=MPI.SUM))
+    outputs: Dict[tuple, np.ndarray] = {}  # one output buffer per size, reused (see measure)
+
+    def out_of_place(buf: np.ndarray):
+        out = outputs.setdefault((buf.size, buf.dtype.str), np.empty_like(buf))
+        return lambda: mpi_comm.Allreduce(buf, out, op=MPI.SUM)
+
+    return out_of_place
 
 
 def _gloo_runner():
@@ -149,10 +157,14 @@ def measure(runners, sizes, dtype, args, records):
     for nbytes in sizes:
         count = max(nbytes // np.dtype(dtype).itemsize, 1)
         times: Dict[str, List[float]] = {a: [] for a in names}
+        # One buffer per size for every competitor: a memory copy's speed here depends on
+        # where its pages lie (the same 1 MiB MPI_Allreduce takes ~200 or ~550 µs depending
+        # on the allocation), so each algorithm getting its own buffer would compare luck.
+        buf = np.ones(count, dtype=dtype)
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for algo in order:
-                buf = np.ones(count, dtype=dtype)
+                buf.fill(1)
                 times[algo].append(timed(runners[algo](buf), args.iters, args.warmup))
         for algo in names:
             t = statistics.median(times[algo])
