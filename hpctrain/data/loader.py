@@ -382,12 +382,13 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         calls ``job.wait()``. Keys read through HDF5 are read here, before ``job`` exists.
 
         Ascending ids covered by few runs (``shuffle="block"`` sorts each window;
-        ``shuffle=False``) are read straight into ``arrays``. Otherwise the sorted runs
-        covering the ids are read into the reused ``staging`` buffers, then gathered into
-        ``arrays`` in plan order while the window is still in the CPU cache (keep windows
-        cache-sized: ``window_bytes``). Memory-mapped keys whose ids are sparse (strided
-        policy: the runs would hold several times the rows needed) skip staging and are
-        gathered from the file map directly.
+        ``shuffle=False``) are read straight into ``arrays``. A shuffled window covers its
+        ids with sorted runs (whole blocks): uncompressed keys read each run with
+        ``preadv`` calls that scatter its rows to their places in ``arrays`` (one copy;
+        ``dest`` maps run rows to window rows), other keys read the runs into the reused
+        ``staging`` buffers and gather them into plan order afterwards. Uncompressed keys
+        whose ids are sparse (strided policy: the runs would hold several times the rows
+        needed) are gathered from the file map instead.
         """
         arrays = pool.take(len(ids))
         if not len(ids):
