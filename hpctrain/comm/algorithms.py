@@ -133,19 +133,12 @@ def _scratch(comm, count: int, dtype) -> np.ndarray:
 
 def _ring_exchange(comm, arr, send_b, recv_b, right, left, seg, scratch=None, reduce_op=None,
                    dtype_name=""):
-    """Send one chunk to the right while receiving one from the left, segment by segment.
+    """Send one chunk to the right while receiving one from the left, segment by segment
+    (chunks larger than one segment; ``ring_`` does a one-segment step with one Sendrecv).
 
     With ``scratch``, received segments are reduced into ``arr`` as each arrives; otherwise
-    they are received straight into place (all-gather). A chunk of one segment is one
-    Sendrecv (the common case below ~N MiB: a third of the Python calls).
+    they are received straight into place (all-gather).
     """
-    if send_b[1] - send_b[0] <= seg and recv_b[1] - recv_b[0] <= seg:
-        (sa, sb), (ra, rb) = send_b, recv_b
-        into = arr[ra:rb] if scratch is None else scratch[:rb - ra]
-        comm.Sendrecv(arr[sa:sb], dest=right, recvbuf=into, source=left)
-        if scratch is not None:
-            reduce_into(arr[ra:rb], into, reduce_op, dtype_name)
-        return
     recv_segs = plan.segments(*recv_b, seg)
     send_segs = plan.segments(*send_b, seg)
     if scratch is None:

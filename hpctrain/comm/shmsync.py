@@ -124,15 +124,7 @@ class NodeFlags:
         of guard.make_header, or those already packed with HEADER."""
         if not isinstance(header, bytes):
             header = HEADER.pack(*(header.tolist() if isinstance(header, np.ndarray) else map(int, header)), 0)
-        packed = header
-        status = self.ctx.exchange(packed, None, 0, 0, dog.timeout)
-        if status:
-            self.check(status, dog, what, describe, group)
-
-    def allreduce_(self, arr: np.ndarray, dtype_code: int, op: str, header: Optional[bytes], dog, what,
-                   describe, group) -> None:
-        """Small all-reduce of ``arr`` in place (``arr.nbytes <= slot_bytes``, a FAST dtype)."""
-        status = self.ctx.exchange(header, arr, dtype_code, OP_CODES[op], dog.timeout)
+        status = self.ctx.exchange(header, None, 0, 0, dog.timeout)
         if status:
             self.check(status, dog, what, describe, group)
 

@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Tuple
 import h5py
 import numpy as np
 
+from hpctrain.data.codecs import codec_for
 from hpctrain.data.errors import CorruptFileError, DataError
 from hpctrain.data.mapped import MappedFile, chunk_table, pread_into
 
@@ -87,10 +88,6 @@ class ChunkedKey:
 def chunked_dataset(dset: h5py.Dataset, mf: MappedFile) -> Tuple[Optional[ChunkedKey], str]:
     """``dset`` as a :class:`ChunkedKey`, checked against HDF5 reads of a few rows, or
     ``(None, why not)``."""
-    try:
-        from hpctrain.data.codecs import codec_for
-    except ImportError as exc:  # pragma: no cover - a broken install
-        return None, f"hpctrain.data.codecs unavailable ({exc})"
     try:
         codec, why = codec_for(dset)
         if codec is None:

@@ -441,7 +441,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 continue
             target = arrays[key] if direct else self._staging(staging, key, total)
             for (fi, r0, r1), at in zip(runs, where.tolist()):
-                reads += _fill_tasks(readers[fi][key], r0, r1, target[at:at + r1 - r0])
+                reads += readers[fi][key].fill_tasks(r0, r1, target[at:at + r1 - r0])
             if not direct:
                 shuffles += take_tasks(target, gather_rows, arrays[key])
         if hdf5_keys:
@@ -625,11 +625,6 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
 
 def _copy_rows(out: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
     out[dst_rows] = out[src_rows]
-
-
-def _fill_tasks(reader: Union[MappedKey, ChunkedKey], lo: int, hi: int, out: np.ndarray) -> List[Callable[[], None]]:
-    """Tasks that put rows ``[lo, hi)`` of one file's dataset into ``out`` (``hi - lo`` rows)."""
-    return reader.fill_tasks(lo, hi, out)
 
 
 def _read_union(dset: h5py.Dataset, runs: Sequence[Tuple[int, int, int]], out: np.ndarray) -> None:
