@@ -367,6 +367,118 @@ static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
+/* allreduce_piped(buf, dtype, op, divisor, header, timeout, segment_bytes) -> status
+ *
+ * The all-reduce of a private buffer larger than a data slot, pipelined through the data slots
+ * in segments of at most `segment_bytes` (so the staging stays in cache). Per segment:
+ *   1. copy the parts of the segment other ranks own into my data slot; flag A; wait for all;
+ *   2. reduce the part I own: peers' slots and my own buffer, in rank order, into my buffer
+ *      and my slot; flag B; wait for all;
+ *   3. copy every other rank's reduced part from its slot into my buffer.
+ * Each element is reduced by one rank only, so the result is bitwise identical everywhere.
+ * Memory traffic per rank: the buffer read and written once, plus cache-resident staging.
+ *
+ * Segment k uses data slot parity (seq0 + 1 + k) & 1, and the segment count is even, so the
+ * first segment never writes the parity the collective before this one used, and the
+ * collective after this one (seq0 + 2K + 1) never writes the parity of the last segment; a
+ * segment writes the parity of segment k - 2 only after every rank passed flag B of k - 1,
+ * i.e. finished copying out k - 2. The header (agreement check) rides on the first flag. */
+static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
+    PyObject *buf_obj, *hdr_obj;
+    int dtype, op;
+    long divisor;
+    double timeout;
+    Py_ssize_t seg_bytes;
+    if (!PyArg_ParseTuple(args, "OiilOdn", &buf_obj, &dtype, &op, &divisor, &hdr_obj, &timeout, &seg_bytes))
+        return NULL;
+    int item = itemsize_of(dtype);
+    if (item == 0 || op < OP_SUM || op > OP_PROD) {
+        PyErr_Format(PyExc_ValueError, "allreduce_piped: unsupported dtype %d / op %d", dtype, op);
+        return NULL;
+    }
+    if (seg_bytes > self->slot_bytes) seg_bytes = self->slot_bytes;
+    if (seg_bytes < item * (Py_ssize_t)self->nranks) {
+        PyErr_Format(PyExc_ValueError, "allreduce_piped: segments of %zd bytes are too small (slot %zd bytes)",
+                     seg_bytes, self->slot_bytes);
+        return NULL;
+    }
+    Py_buffer hdr = {0}, buf = {0};
+    int have_hdr = hdr_obj != Py_None;
+    if (have_hdr) {
+        if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        if (hdr.len != HDR_BYTES) {
+            PyBuffer_Release(&hdr);
+            PyErr_Format(PyExc_ValueError, "header must be %d bytes", HDR_BYTES);
+            return NULL;
+        }
+    }
+    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (have_hdr) PyBuffer_Release(&hdr);
+        return NULL;
+    }
+    char **srcs = PyMem_Calloc(self->nranks, sizeof(char *));
+    if (!srcs || buf.len % item) {
+        PyMem_Free(srcs);
+        if (have_hdr) PyBuffer_Release(&hdr);
+        PyBuffer_Release(&buf);
+        if (srcs) PyErr_Format(PyExc_ValueError, "allreduce_piped: %zd bytes is not a whole number of items", buf.len);
+        else PyErr_NoMemory();
+        return NULL;
+    }
+    const Py_ssize_t n = buf.len / item;
+    const int N = self->nranks, me = self->rank;
+    Py_ssize_t per = seg_bytes / item;
+    Py_ssize_t K = (n + per - 1) / per;
+    if (K < 2) K = 2;
+    if (K & 1) K++;
+    per = (n + K - 1) / K;
+    char *x = (char *)buf.buf;
+    int status = ST_OK;
+    const uint64_t seq0 = self->seq;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < K && status == ST_OK; k++) {
+        Py_ssize_t lo = k * per < n ? k * per : n;
+        Py_ssize_t m = (lo + per < n ? lo + per : n) - lo;
+        Py_ssize_t base = m / N, rem = m % N;
+        Py_ssize_t a = me * base + (me < rem ? me : rem), b = a + base + (me < rem);
+        char *seg = x + lo * item;
+        Py_ssize_t slot_off = DATA_OFF + ((seq0 + 1 + k) & 1) * self->slot_bytes;
+        char *mine = self->regions[me] + slot_off;
+        uint64_t A = ++self->seq;
+        if (k == 0 && have_hdr) memcpy(hdr_of(self, me, A), hdr.buf, HDR_BYTES);
+        memcpy(mine, seg, a * item);
+        memcpy(mine + b * item, seg + b * item, (m - b) * item);
+        __atomic_store_n(flag_of(self, me), A, __ATOMIC_RELEASE);
+        status = wait_all(self, A, timeout);
+        if (status != ST_OK) break;
+        if (k == 0 && have_hdr) {
+            for (int q = 0; q < N; q++)
+                if (memcmp(hdr_of(self, q, A), hdr.buf, HDR_BYTES) != 0) { status = ST_MISMATCH; break; }
+            if (status != ST_OK) break;
+        }
+        if (b > a) {
+            for (int q = 0; q < N; q++)
+                srcs[q] = (q == me ? seg : self->regions[q] + slot_off) + a * item;
+            char *dsts[2] = {seg + a * item, mine + a * item};
+            reduce_slices(dsts, 2, srcs, N, b - a, dtype, op, divisor, 0);
+        }
+        uint64_t B = ++self->seq;
+        __atomic_store_n(flag_of(self, me), B, __ATOMIC_RELEASE);
+        status = wait_all(self, B, timeout);
+        if (status != ST_OK) break;
+        for (int q = 0; q < N; q++) {
+            if (q == me) continue;
+            Py_ssize_t qa = q * base + (q < rem ? q : rem), qb = qa + base + (q < rem);
+            if (qb > qa) memcpy(seg + qa * item, self->regions[q] + slot_off + qa * item, (qb - qa) * item);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(srcs);
+    if (have_hdr) PyBuffer_Release(&hdr);
+    PyBuffer_Release(&buf);
+    return PyLong_FromLong(status);
+}
+
 /* headers(out): copy every rank's header of the current sequence into out (nranks*64 bytes). */
 static PyObject *Ctx_headers(Ctx *self, PyObject *arg) {
     Py_buffer out;
@@ -403,6 +515,8 @@ static PyObject *Ctx_get_seq(Ctx *self, void *Py_UNUSED(closure)) {
 static PyMethodDef Ctx_methods[] = {
     {"exchange", (PyCFunction)Ctx_exchange, METH_VARARGS,
      "exchange(header, buf, dtype_code, op_code, timeout) -> 0 ok, 1 timeout, 2 header mismatch"},
+    {"allreduce_piped", (PyCFunction)Ctx_allreduce_piped, METH_VARARGS,
+     "allreduce_piped(buf, dtype_code, op_code, divisor, header, timeout, segment_bytes) -> status"},
     {"headers", (PyCFunction)Ctx_headers, METH_O, "headers(out): every rank's header of the last exchange"},
     {"missing", (PyCFunction)Ctx_missing, METH_NOARGS, "local ranks that did not reach the last exchange"},
     {NULL},

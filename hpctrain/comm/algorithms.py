@@ -219,8 +219,20 @@ def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog,
     """All-reduce through the node's shared window; with ``cross``, the hierarchical variant
     (each node-local slice is ring-all-reduced across nodes before everyone reads it).
 
+    On one node with shared-memory flags, a buffer larger than a flag slot streams through
+    the slots in cache-sized segments (``NodeFlags.allreduce_piped``: the buffer read and
+    written once); otherwise (no C extension, a dtype its kernels lack, or ``cross``) the
+    whole buffer is copied into this rank's slot of a window, reduced slice by slice and
+    copied back out.
+
     ``src`` and ``out`` may be the same array.
     """
+    flags, code = group.node_flags, shmsync.kernel_dtype_code(dtype_name)
+    if flags is not None and code is not None and not cross and flags.pipes(src.nbytes):
+        if out is not src:
+            np.copyto(out, src)
+        flags.allreduce_piped(out, code, op, group.size, None, dog, what, _describe_local, group)
+        return
     node = group.node_comm
     local_size, local_rank = node.Get_size(), node.Get_rank()
     if group.shm_arena is None:

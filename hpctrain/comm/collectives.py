@@ -67,8 +67,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     (auto picks by size and topology; HPCTRAIN_ALLREDUCE overrides auto).
     """
     g = _sync_start(group)
-    if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and x.nbytes < plan.LARGE_RING_BYTES
-            and requested_algorithm("auto") == "auto"):
+    if g.small_shm and algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto":
         out = np.array(x, order="C")  # a contiguous copy, reduced in place
         if _lean_allreduce_(g, out, op):
             return out
@@ -99,30 +98,28 @@ _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 _HEADER_OP = {op: guard.reduction_index(op) for op in shmsync.OP_CODES}
 _SMALL_OP = {op: (guard.reduction_index(op), code) for op, code in shmsync.OP_CODES.items()}  # (header, kernel)
 _SHM = guard.algorithm_index("shm")
-_NATIVE = guard.algorithm_index("native")
 
 
 def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     """``auto`` on a one-node group with shared-memory flags, for a private numpy array, with
-    the least Python: the flag exchange up to ``g.small_shm`` bytes, MPI_Allreduce below
-    the ring's threshold (agreement check through the flags). Makes the same choice and
-    the same agreement header as the general path; False (nothing done) when ``x`` does not
-    qualify or lives in a shared buffer."""
+    the least Python: the flag exchange up to ``g.small_shm`` bytes, the piped shared-memory
+    all-reduce above (agreement check on its first flag). Makes the same choice and the same
+    agreement header as the general path; False (nothing done) when ``x`` does not qualify
+    or lives in a shared buffer."""
     nbytes = x.nbytes
     if nbytes <= g.small_shm:
         return _small_allreduce_(g, x, op)
     code = _FAST_DTYPES.get(x.dtype)
-    if (code is None or nbytes >= plan.LARGE_RING_BYTES or g.shared_buffers or op not in _HEADER_OP
-            or not x.flags.c_contiguous):
+    if (code is None or not g.node_flags.pipes(nbytes) or g.shared_buffers or op not in _HEADER_OP
+            or not x.flags.c_contiguous or not x.flags.writeable):
         return False
     g.seq += 1
-    dog = watchdog()
-    what = lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, native) [collective #{g.seq}] on {g.name}"  # noqa: E731
-    if guard.checks_enabled():
-        g.node_flags.agree(shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _NATIVE, 0, 0), dog,
+    dog = _world_state["watchdog"]
+    what = lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) [collective #{g.seq}] on {g.name}"  # noqa: E731
+    if guard.checks_enabled():  # its own flag exchange, as on the general path (ranks may mix both)
+        g.node_flags.agree(shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0), dog,
                            lambda: what() + " (agreement check)", g.describe_ranks, g)
-    with dog.watch(what, _all_ranks(g)):
-        algorithms.native_(g.comm, x, op, _DTYPE_NAMES[code])
+    g.node_flags.allreduce_piped(x, code, op, g.size, None, dog, what, g.describe_ranks, g)
     return True
 
 

@@ -48,6 +48,9 @@ ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
 # results with streaming stores: no read-for-ownership of lines they overwrite, a third less
 # memory traffic — but the result is not left in cache, which only pays beyond L3.
 STREAMING_BYTES = int(os.environ.get("HPCTRAIN_SHM_STREAMING_BYTES", str(48 << 20)))
+# Larger all-reduces on one node stream through the data slots in segments of this size
+# (staging that stays in L2; docs/performance.md: 128 KiB beat 64 and 256 KiB at 16–64 MiB).
+PIPE_SEGMENT_BYTES = 128 * 1024
 _SPIN_ITERATIONS = 1 << 16  # pause-loop iterations before a waiting rank starts yielding
 
 
@@ -125,6 +128,22 @@ class NodeFlags:
         if not isinstance(header, bytes):
             header = HEADER.pack(*(header.tolist() if isinstance(header, np.ndarray) else map(int, header)), 0)
         status = self.ctx.exchange(header, None, 0, 0, dog.timeout)
+        if status:
+            self.check(status, dog, what, describe, group)
+
+    def pipes(self, nbytes: int) -> bool:
+        """Whether an all-reduce of ``nbytes`` (more than a slot) can stream through the slots."""
+        from .plan import PIPED_MIN_SLOT_BYTES
+
+        return nbytes > self.slot_bytes >= PIPED_MIN_SLOT_BYTES
+
+    def allreduce_piped(self, x: np.ndarray, code: int, op: str, divisor: int, header, dog, what, describe,
+                        group) -> None:
+        """All-reduce the private array ``x`` in place through the data slots, one segment after
+        another (see ``allreduce_piped`` in _shmsync.c): each rank reduces its part of every
+        segment from its own buffer and its peers' slots, then copies the others' parts back.
+        ``header``: the packed agreement check (riding on the first flag), or None."""
+        status = self.ctx.allreduce_piped(x, code, OP_CODES[op], divisor, header, dog.timeout, PIPE_SEGMENT_BYTES)
         if status:
             self.check(status, dog, what, describe, group)
 

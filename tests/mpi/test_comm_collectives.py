@@ -157,7 +157,9 @@ def test_point_to_point_and_size_mismatch():
 def test_topology_single_node():
     assert comm.local_size() == N and comm.local_rank() == R
     assert comm.cross_size() == 1 and comm.cross_rank() == 0
-    assert comm.choose_algorithm(64 << 20) == ("ring" if N > 1 else "native")
+    from hpctrain.comm import shmsync
+
+    assert comm.choose_algorithm(64 << 20) == ("native" if N == 1 else "shm" if shmsync.available() else "ring")
     assert comm.choose_algorithm(64 << 20, shared=True) == ("shm" if N > 1 else "native")
 
 
@@ -190,7 +192,7 @@ def test_small_allreduce_against_another_collective_raises_on_every_rank():
     np.testing.assert_array_equal(out, np.full(3, sum(range(N))))
 
 
-@pytest.mark.parametrize("length", [5, 300_000])  # the flag exchange; MPI_Allreduce (lean path)
+@pytest.mark.parametrize("length", [5, 300_000])  # the flag exchange; the piped path (lean path)
 def test_numpy_on_some_ranks_torch_on_others_agree(length):
     """numpy arrays take the lean path, torch tensors the general one: same algorithm, same
     agreement header, so mixing them is no mismatch; a different length still is."""
@@ -211,7 +213,8 @@ def test_small_messages_take_the_flag_exchange_when_built():
     flags = N > 1 and shmsync.available()
     assert comm.choose_algorithm(4096) == ("shm" if flags else "native")
     assert comm.choose_algorithm(4096, dtype="float16") == "native"  # no C kernel: MPI
-    assert comm.choose_algorithm(1 << 20) == "native"
+    assert comm.choose_algorithm(1 << 20) == ("shm" if flags else "native")  # piped through the slots
+    assert comm.choose_algorithm(1 << 20, dtype="float16") == "native"
 
 
 @pytest.mark.parametrize("algo", ["auto", "shm", "hierarchical"])

@@ -110,7 +110,10 @@ def test_choose_algorithm_routes_small_messages_to_the_flag_exchange():
     two_nodes = plan.topology_from_keys([0, 0, 2, 2])
     assert plan.choose_algorithm(4096, one_node, small_shm=256 << 10) == "shm"
     assert plan.choose_algorithm(256 << 10, one_node, small_shm=256 << 10) == "shm"
-    assert plan.choose_algorithm((256 << 10) + 1, one_node, small_shm=256 << 10) == "native"
+    assert plan.choose_algorithm((256 << 10) + 1, one_node, small_shm=256 << 10) == "shm"  # piped
+    assert plan.choose_algorithm(64 << 20, one_node, small_shm=256 << 10) == "shm"
+    assert plan.choose_algorithm(8192, one_node, small_shm=2048) == "native"  # slots too small to pipe
+    assert plan.choose_algorithm(64 << 20, one_node, small_shm=2048) == "ring"
     assert plan.choose_algorithm(4096, one_node, small_shm=0) == "native"
     assert plan.choose_algorithm(0, one_node, small_shm=256 << 10) == "native"
     assert plan.choose_algorithm(4096, two_nodes, small_shm=256 << 10) == "native"
@@ -137,3 +140,121 @@ def test_reduce_to_all_writes_the_rank_order_reduction_into_every_slot(dtype, op
     for s, head in zip(slots, heads):
         np.testing.assert_array_equal(s[3:], expected.astype(dtype))
         np.testing.assert_array_equal(s[:3], head)  # nothing written outside the slice
+
+
+# --------------------------------------------------------------------------- piped all-reduce
+def run_ranks(n, slot, body):
+    """``body(ctx, rank)`` on n threads, each with its own Ctx over the same regions (the
+    C calls release the GIL, so the ranks really run side by side); returns their results."""
+    import threading
+
+    mem = [np.zeros(_shmsync.REGION_HEADER_BYTES + 2 * slot, dtype=np.uint8) for _ in range(n)]
+    addrs = [m.ctypes.data for m in mem]
+    ctxs = [_shmsync.Ctx(addrs, q, slot, 1 << 10) for q in range(n)]
+    results, errors = [None] * n, []
+
+    def run(q):
+        try:
+            results[q] = body(ctxs[q], q)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "piped all-reduce hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("count", [0, 1, 3, 1023, 1024, 5000, 20011])
+def test_piped_allreduce_is_the_rank_order_reduction_on_every_rank(n, count):
+    rng = np.random.default_rng(count + n)
+    data = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+    expected = data[0].copy()
+    for q in range(1, n):
+        expected += data[q]
+
+    def body(ctx, q):
+        mine = data[q].copy()
+        assert ctx.allreduce_piped(mine, DTYPE_CODES["float32"], shmsync.OP_CODES["sum"], n, None, 10.0,
+                                   1024) == shmsync.ST_OK
+        return mine, ctx.seq
+
+    results = run_ranks(n, SLOT, body)
+    for mine, seq in results:
+        np.testing.assert_array_equal(mine, expected)  # bitwise: one owner reduces each element
+        assert seq % 2 == 0 and seq >= 4  # an even number (≥ 2) of segments, two flags each
+
+
+@pytest.mark.parametrize("dtype", ["int16", "int64", "float64"])
+@pytest.mark.parametrize("op", ["avg", "min", "max", "prod"])
+def test_piped_allreduce_ops_and_dtypes(dtype, op):
+    n, count = 3, 3001
+    rng = np.random.default_rng(5)
+    data = [rng.integers(1, 4, size=count).astype(dtype) for _ in range(n)]
+    kernel = {"avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}[op]
+    expected = data[0].copy()
+    for q in range(1, n):
+        kernel(expected, data[q], out=expected)
+    if op == "avg":
+        expected = np.trunc(expected / n) if np.dtype(dtype).kind in "iu" else expected / n
+    results = run_ranks(n, SLOT, lambda ctx, q: (
+        lambda mine: (ctx.allreduce_piped(mine, DTYPE_CODES[dtype], shmsync.OP_CODES[op], n, None, 10.0, SLOT),
+                      mine)[1])(data[q].copy()))
+    for mine in results:
+        np.testing.assert_array_equal(mine, expected.astype(dtype))
+
+
+def test_piped_and_flag_exchanges_interleave_without_overwriting_a_slot_in_use():
+    """Many piped all-reduces (odd and even segment counts asked for) mixed with small
+    exchanges: every result exact, so no rank ever wrote a slot a peer was still reading."""
+    n = 3
+    sizes = [5000, 1500, 9000, 1024, 700]
+
+    def body(ctx, q):
+        for it in range(40):
+            count = sizes[it % len(sizes)]
+            big = np.full(count, q + it, dtype=np.float64)
+            assert ctx.allreduce_piped(big, DTYPE_CODES["float64"], shmsync.OP_CODES["sum"], n, None, 10.0,
+                                       1024 * (1 + it % 3)) == shmsync.ST_OK
+            assert (big == sum(p + it for p in range(n))).all(), (it, q)
+            small = np.full(100, q * it, dtype=np.int64)
+            assert ctx.exchange(None, small, DTYPE_CODES["int64"], shmsync.OP_CODES["sum"], 10.0) == shmsync.ST_OK
+            assert (small == sum(p * it for p in range(n))).all()
+        return True
+
+    assert all(run_ranks(n, SLOT, body))
+
+
+def test_piped_allreduce_header_mismatch_and_timeout():
+    n = 2
+    header = [struct.pack("8q", 1, 0, 0, 11, 5000, 3, 0, 0), struct.pack("8q", 1, 0, 0, 11, 4000, 3, 0, 0)]
+
+    def body(ctx, q):
+        return ctx.allreduce_piped(np.ones(5000, np.float32), DTYPE_CODES["float32"], 0, n, header[q], 10.0, 1024)
+
+    assert run_ranks(n, SLOT, body) == [shmsync.ST_MISMATCH] * 2
+    mem, addrs = regions(2)
+    ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
+    start = time.monotonic()
+    assert ctx.allreduce_piped(np.ones(5000, np.float32), DTYPE_CODES["float32"], 0, 2, None, 0.2,
+                               1024) == shmsync.ST_TIMEOUT
+    assert time.monotonic() - start < 5
+    assert ctx.missing() == [1]
+
+
+def test_piped_allreduce_refuses_bad_arguments():
+    mem, addrs = regions(2)
+    ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ctx.allreduce_piped(np.ones(10, np.float16), DTYPE_CODES["float16"], 0, 2, None, 1.0, 1024)
+    with pytest.raises(ValueError, match="too small"):
+        ctx.allreduce_piped(np.ones(10, np.float32), DTYPE_CODES["float32"], 0, 2, None, 1.0, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        ctx.allreduce_piped(np.ones(10, np.float32)[::2], DTYPE_CODES["float32"], 0, 2, None, 1.0, 1024)
+    assert ctx.seq == 0
