@@ -215,7 +215,7 @@ class ShmArena:
 
 
 def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog, what,
-         cross: bool = False) -> None:
+         cross: bool = False, header: Optional[bytes] = None) -> None:
     """All-reduce through the node's shared window; with ``cross``, the hierarchical variant
     (each node-local slice is ring-all-reduced across nodes before everyone reads it).
 
@@ -225,13 +225,14 @@ def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog,
     whole buffer is copied into this rank's slot of a window, reduced slice by slice and
     copied back out.
 
-    ``src`` and ``out`` may be the same array.
+    ``src`` and ``out`` may be the same array. ``header``: the packed agreement check, for the
+    piped path to carry on its first flag (the caller then skips its own agreement exchange).
     """
     flags, code = group.node_flags, shmsync.kernel_dtype_code(dtype_name)
     if flags is not None and code is not None and not cross and flags.pipes(src.nbytes):
         if out is not src:
             np.copyto(out, src)
-        flags.allreduce_piped(out, code, op, group.size, None, dog, what, _describe_local, group)
+        flags.allreduce_piped(out, code, op, group.size, header, dog, what, _describe_local, group)
         return
     node = group.node_comm
     local_size, local_rank = node.Get_size(), node.Get_rank()

@@ -114,12 +114,11 @@ def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
             or not x.flags.c_contiguous or not x.flags.writeable):
         return False
     g.seq += 1
-    dog = _world_state["watchdog"]
-    what = lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) [collective #{g.seq}] on {g.name}"  # noqa: E731
-    if guard.checks_enabled():  # its own flag exchange, as on the general path (ranks may mix both)
-        g.node_flags.agree(shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0), dog,
-                           lambda: what() + " (agreement check)", g.describe_ranks, g)
-    g.node_flags.allreduce_piped(x, code, op, g.size, None, dog, what, g.describe_ranks, g)
+    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0) if guard.checks_enabled() else None
+    g.node_flags.allreduce_piped(
+        x, code, op, g.size, header, _world_state["watchdog"],
+        lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) [collective #{g.seq}] on {g.name}",
+        g.describe_ranks, g)
     return True
 
 
@@ -160,10 +159,17 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
             raise AssertionError("small shared-memory all-reduce refused a qualifying array")
         return x if inplace else rebuild(flat, out)
     extra = shared[1] + 1 if shared else 0
-    if guard.checks_enabled():
+    # the piped path carries the agreement header on its first flag, as the lean path does
+    piped = (shared is None and algo == "shm" and g.small_shm and g.node_flags.pipes(src.nbytes)
+             and shmsync.kernel_dtype_code(flat.dtype_name) is not None)
+    header = None
+    if guard.checks_enabled() and not piped:
         guard.agree(g, guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra), dog)
     else:
         g.seq += 1
+        if guard.checks_enabled():
+            header = shmsync.HEADER.pack(
+                *guard.make_header(g.seq, "allreduce", op, flat.dtype_name, src.size, algo, extra).tolist(), 0)
     what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
         guard.make_header(g.seq, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra)) + f" on {g.name}"
     if shared is not None and algo in ("shm", "hierarchical") and src.size:
@@ -173,7 +179,7 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
                                   arrived=bool(g.small_shm) and guard.checks_enabled())
     elif algo in ("shm", "hierarchical") and src.size:
         out = src if inplace else np.empty_like(src)
-        algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical")
+        algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical", header=header)
     else:
         out = src if inplace else src.copy()
         if g.size == 1 or not out.size:

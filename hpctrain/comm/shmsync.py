@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
+from .plan import PIPED_MIN_SLOT_BYTES
 
 try:
     from . import _shmsync
@@ -48,9 +49,10 @@ ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
 # results with streaming stores: no read-for-ownership of lines they overwrite, a third less
 # memory traffic — but the result is not left in cache, which only pays beyond L3.
 STREAMING_BYTES = int(os.environ.get("HPCTRAIN_SHM_STREAMING_BYTES", str(48 << 20)))
-# Larger all-reduces on one node stream through the data slots in segments of this size
-# (staging that stays in L2; docs/performance.md: 128 KiB beat 64 and 256 KiB at 16–64 MiB).
-PIPE_SEGMENT_BYTES = 128 * 1024
+# Larger all-reduces on one node stream through the data slots in segments of up to this
+# size (capped by the slot; staging that stays in L2). Measured at 2 ranks here: 256 KiB
+# segments 1.5–1.6× MPI_Allreduce at 512 KiB–4 MiB, 128 KiB 1.3–1.5×; even at 16–64 MiB.
+PIPE_SEGMENT_BYTES = 256 * 1024
 _SPIN_ITERATIONS = 1 << 16  # pause-loop iterations before a waiting rank starts yielding
 
 
@@ -133,8 +135,6 @@ class NodeFlags:
 
     def pipes(self, nbytes: int) -> bool:
         """Whether an all-reduce of ``nbytes`` (more than a slot) can stream through the slots."""
-        from .plan import PIPED_MIN_SLOT_BYTES
-
         return nbytes > self.slot_bytes >= PIPED_MIN_SLOT_BYTES
 
     def allreduce_piped(self, x: np.ndarray, code: int, op: str, divisor: int, header, dog, what, describe,
