@@ -367,22 +367,81 @@ static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
-/* allreduce_piped(buf, dtype, op, divisor, header, timeout, segment_bytes) -> status
+/* allreduce_piped(buffers, dtype, op, divisor, header, timeout, segment_bytes) -> status
  *
- * The all-reduce of a private buffer larger than a data slot, pipelined through the data slots
- * in segments of at most `segment_bytes` (so the staging stays in cache). Per segment:
- *   1. copy the parts of the segment other ranks own into my data slot; flag A; wait for all;
- *   2. reduce the part I own: peers' slots and my own buffer, in rank order, into my buffer
- *      and my slot; flag B; wait for all;
- *   3. copy every other rank's reduced part from its slot into my buffer.
+ * The all-reduce of private memory larger than a data slot, pipelined through the data slots
+ * in segments of at most `segment_bytes` (so the staging stays in cache). `buffers` is one
+ * writable buffer or a list of them, reduced as their concatenation (gradient fusion with no
+ * bucket to copy into). Per segment:
+ *   1. copy the parts of the segment other ranks own into my data slot (with several
+ *      buffers: the whole segment); flag A; wait for all;
+ *   2. reduce the part I own from every rank's slot — my own part straight from my buffer
+ *      when there is one — in rank order, into my slot (and my buffer); flag B; wait;
+ *   3. copy every rank's reduced part from its slot into my buffer(s).
  * Each element is reduced by one rank only, so the result is bitwise identical everywhere.
- * Memory traffic per rank: the buffer read and written once, plus cache-resident staging.
+ * Memory traffic per rank: the buffers read and written once, plus cache-resident staging.
  *
  * Segment k uses data slot parity (seq0 + 1 + k) & 1, and the segment count is even, so the
  * first segment never writes the parity the collective before this one used, and the
  * collective after this one (seq0 + 2K + 1) never writes the parity of the last segment; a
  * segment writes the parity of segment k - 2 only after every rank passed flag B of k - 1,
  * i.e. finished copying out k - 2. The header (agreement check) rides on the first flag. */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t *starts;  /* byte offset of each buffer in the concatenation; starts[n] = total */
+    int n;
+} VBuf;
+
+/* Copy bytes [off, off + len) of the concatenation to (to_mem) or from `mem`. */
+static void vcopy(const VBuf *v, Py_ssize_t off, Py_ssize_t len, char *mem, int to_mem) {
+    int lo = 0, hi = v->n - 1;
+    while (lo < hi) {  /* the last buffer starting at or before off */
+        int mid = (lo + hi + 1) / 2;
+        if (v->starts[mid] <= off) lo = mid; else hi = mid - 1;
+    }
+    for (int i = lo; len > 0 && i < v->n; i++) {
+        Py_ssize_t in = off - v->starts[i], avail = v->starts[i + 1] - off;
+        if (avail <= 0) continue;
+        Py_ssize_t m = len < avail ? len : avail;
+        char *p = (char *)v->views[i].buf + in;
+        if (to_mem) memcpy(mem, p, m); else memcpy(p, mem, m);
+        mem += m; off += m; len -= m;
+    }
+}
+
+static void vbuf_release(VBuf *v) {
+    for (int i = 0; i < v->n; i++) PyBuffer_Release(&v->views[i]);
+    PyMem_Free(v->views);
+    PyMem_Free(v->starts);
+    v->views = NULL; v->starts = NULL; v->n = 0;
+}
+
+/* One buffer or a list/tuple of buffers, each writable, C-contiguous, whole items. */
+static int vbuf_acquire(VBuf *v, PyObject *obj, int item) {
+    int is_list = PyList_Check(obj) || PyTuple_Check(obj);
+    PyObject *seq = is_list ? PySequence_Fast(obj, "buffers") : NULL;
+    Py_ssize_t n = is_list ? PySequence_Fast_GET_SIZE(seq) : 1;
+    v->n = 0;
+    v->views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    v->starts = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
+    if (!v->views || !v->starts) { Py_XDECREF(seq); vbuf_release(v); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = is_list ? PySequence_Fast_GET_ITEM(seq, i) : obj;
+        if (PyObject_GetBuffer(o, &v->views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            Py_XDECREF(seq); vbuf_release(v); return -1;
+        }
+        v->n = (int)i + 1;
+        if (v->views[i].len % item) {
+            Py_XDECREF(seq); vbuf_release(v);
+            PyErr_Format(PyExc_ValueError, "allreduce_piped: buffer %zd is not a whole number of %d-byte items", i, item);
+            return -1;
+        }
+        v->starts[i + 1] = v->starts[i] + v->views[i].len;
+    }
+    Py_XDECREF(seq);
+    return 0;
+}
+
 static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
     PyObject *buf_obj, *hdr_obj;
     int dtype, op;
@@ -402,7 +461,7 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
                      seg_bytes, self->slot_bytes);
         return NULL;
     }
-    Py_buffer hdr = {0}, buf = {0};
+    Py_buffer hdr = {0};
     int have_hdr = hdr_obj != Py_None;
     if (have_hdr) {
         if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -412,27 +471,25 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
             return NULL;
         }
     }
-    if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+    VBuf v;
+    if (vbuf_acquire(&v, buf_obj, item) < 0) {
         if (have_hdr) PyBuffer_Release(&hdr);
         return NULL;
     }
     char **srcs = PyMem_Calloc(self->nranks, sizeof(char *));
-    if (!srcs || buf.len % item) {
-        PyMem_Free(srcs);
+    if (!srcs) {
+        vbuf_release(&v);
         if (have_hdr) PyBuffer_Release(&hdr);
-        PyBuffer_Release(&buf);
-        if (srcs) PyErr_Format(PyExc_ValueError, "allreduce_piped: %zd bytes is not a whole number of items", buf.len);
-        else PyErr_NoMemory();
-        return NULL;
+        return PyErr_NoMemory();
     }
-    const Py_ssize_t n = buf.len / item;
+    const Py_ssize_t n = v.starts[v.n] / item;
     const int N = self->nranks, me = self->rank;
+    char *single = v.n == 1 ? (char *)v.views[0].buf : NULL;  /* one buffer: my part needs no staging */
     Py_ssize_t per = seg_bytes / item;
     Py_ssize_t K = (n + per - 1) / per;
     if (K < 2) K = 2;
     if (K & 1) K++;
     per = (n + K - 1) / K;
-    char *x = (char *)buf.buf;
     int status = ST_OK;
     const uint64_t seq0 = self->seq;
     Py_BEGIN_ALLOW_THREADS
@@ -441,13 +498,16 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
         Py_ssize_t m = (lo + per < n ? lo + per : n) - lo;
         Py_ssize_t base = m / N, rem = m % N;
         Py_ssize_t a = me * base + (me < rem ? me : rem), b = a + base + (me < rem);
-        char *seg = x + lo * item;
         Py_ssize_t slot_off = DATA_OFF + ((seq0 + 1 + k) & 1) * self->slot_bytes;
         char *mine = self->regions[me] + slot_off;
         uint64_t A = ++self->seq;
         if (k == 0 && have_hdr) memcpy(hdr_of(self, me, A), hdr.buf, HDR_BYTES);
-        memcpy(mine, seg, a * item);
-        memcpy(mine + b * item, seg + b * item, (m - b) * item);
+        if (single) {
+            memcpy(mine, single + lo * item, a * item);
+            memcpy(mine + b * item, single + (lo + b) * item, (m - b) * item);
+        } else {
+            vcopy(&v, lo * item, m * item, mine, 1);
+        }
         __atomic_store_n(flag_of(self, me), A, __ATOMIC_RELEASE);
         status = wait_all(self, A, timeout);
         if (status != ST_OK) break;
@@ -458,24 +518,27 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
         }
         if (b > a) {
             for (int q = 0; q < N; q++)
-                srcs[q] = (q == me ? seg : self->regions[q] + slot_off) + a * item;
-            char *dsts[2] = {seg + a * item, mine + a * item};
-            reduce_slices(dsts, 2, srcs, N, b - a, dtype, op, divisor, 0);
+                srcs[q] = (q == me && single ? single + lo * item : self->regions[q] + slot_off) + a * item;
+            char *dsts[2] = {mine + a * item, single ? single + (lo + a) * item : NULL};
+            reduce_slices(dsts, single ? 2 : 1, srcs, N, b - a, dtype, op, divisor, 0);
         }
         uint64_t B = ++self->seq;
         __atomic_store_n(flag_of(self, me), B, __ATOMIC_RELEASE);
         status = wait_all(self, B, timeout);
         if (status != ST_OK) break;
         for (int q = 0; q < N; q++) {
-            if (q == me) continue;
+            if (q == me && single) continue;
             Py_ssize_t qa = q * base + (q < rem ? q : rem), qb = qa + base + (q < rem);
-            if (qb > qa) memcpy(seg + qa * item, self->regions[q] + slot_off + qa * item, (qb - qa) * item);
+            if (qb <= qa) continue;
+            char *from = self->regions[q] + slot_off + qa * item;
+            if (single) memcpy(single + (lo + qa) * item, from, (qb - qa) * item);
+            else vcopy(&v, (lo + qa) * item, (qb - qa) * item, from, 0);
         }
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(srcs);
+    vbuf_release(&v);
     if (have_hdr) PyBuffer_Release(&hdr);
-    PyBuffer_Release(&buf);
     return PyLong_FromLong(status);
 }
 
@@ -516,7 +579,7 @@ static PyMethodDef Ctx_methods[] = {
     {"exchange", (PyCFunction)Ctx_exchange, METH_VARARGS,
      "exchange(header, buf, dtype_code, op_code, timeout) -> 0 ok, 1 timeout, 2 header mismatch"},
     {"allreduce_piped", (PyCFunction)Ctx_allreduce_piped, METH_VARARGS,
-     "allreduce_piped(buf, dtype_code, op_code, divisor, header, timeout, segment_bytes) -> status"},
+     "allreduce_piped(buffer or [buffers], dtype_code, op_code, divisor, header, timeout, segment_bytes) -> status"},
     {"headers", (PyCFunction)Ctx_headers, METH_O, "headers(out): every rank's header of the last exchange"},
     {"missing", (PyCFunction)Ctx_missing, METH_NOARGS, "local ranks that did not reach the last exchange"},
     {NULL},

@@ -192,6 +192,47 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     return x if inplace else rebuild(flat, out)
 
 
+def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group] = None) -> List[Any]:
+    """In-place all-reduce of several numpy arrays / contiguous CPU tensors of one dtype as
+    one fused collective (their concatenation); returns ``xs``.
+
+    On one node with shared-memory flags the buffers stream through the flag slots where they
+    lie (no fusion buffer to copy into and out of: how the DistributedOptimizer reduces
+    gradient buckets); elsewhere they are concatenated, reduced by ``allreduce_`` and copied
+    back."""
+    g = _sync_start(group)
+    check_op(op)
+    flats = [flatten(x, writable=True, what="grouped_allreduce_") for x in xs]
+    names = {f.dtype_name for f in flats}
+    if len(names) > 1:
+        raise ValueError(f"grouped_allreduce_: every array must have the same dtype, got {sorted(names)}.\n"
+                         "HINT: reduce each dtype in its own call")
+    name = names.pop() if names else "float32"
+    total = sum(f.array.size for f in flats)
+    code = shmsync.kernel_dtype_code(name)
+    itemsize = flats[0].array.itemsize if flats else 4
+    if (g.small_shm and code is not None and g.node_flags.pipes(total * itemsize) and op in _HEADER_OP
+            and requested_algorithm("auto") in ("auto", "shm")):
+        g.seq += 1
+        header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "shm", 0).tolist(), 0)
+                  if guard.checks_enabled() else None)
+        g.node_flags.allreduce_piped(
+            [f.array for f in flats], code, op, g.size, header, _world_state["watchdog"],
+            lambda: f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, shm) "
+                    f"[collective #{g.seq}] on {g.name}",
+            g.describe_ranks, g)
+        return list(xs)
+    concat = (np.concatenate([f.array for f in flats]) if flats
+              else np.empty(0, dtype=np.uint16 if name == "bfloat16" else name))
+    fused = rebuild(Flat(concat, (total,), name, any(f.is_torch for f in flats)), concat)
+    _allreduce(fused, op, "auto", g, inplace=True)
+    offset = 0
+    for f in flats:
+        np.copyto(f.array, concat[offset:offset + f.array.size])
+        offset += f.array.size
+    return list(xs)
+
+
 def shared_buffer(shape, dtype="float32", group: Optional[Group] = None) -> algorithms.SharedBuffer:
     """Allocate a buffer in the node's shared window (same shape and dtype on every rank of
     ``group``; every rank calls this). All-reduces on it, or on contiguous views into it, run

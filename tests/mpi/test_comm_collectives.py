@@ -236,3 +236,28 @@ def test_shared_buffer_zero_copy(algo):
     assert torch.all(bf.tensor().float() == N)
     comm.free_shared_buffer(bf)
     comm.free_shared_buffer(sbuf)
+
+
+@pytest.mark.parametrize("sizes", [[300_000, 0, 17, 70_001], [5, 9]])  # piped through the slots; fused copy
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_grouped_allreduce_reduces_every_array_in_place(sizes, op):
+    arrays = [local_data(k, "float32", R) for k in sizes]
+    refs = [reference(a, op) for a in arrays]
+    tensors = [torch.from_numpy(a) if i % 2 else a for i, a in enumerate(arrays)]  # numpy and torch mixed
+    out = comm.grouped_allreduce_(tensors, op=op)
+    assert all(o is t for o, t in zip(out, tensors))
+    for a, ref in zip(arrays, refs):
+        np.testing.assert_allclose(a.astype(np.float64), ref, rtol=1e-5, atol=1e-5)
+        assert_same_on_every_rank(a)
+
+
+def test_grouped_allreduce_bfloat16_and_errors():
+    ts = [torch.full((70_000,), float(R + 1), dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)]
+    comm.grouped_allreduce_(ts)
+    assert ts[0].float().eq(sum(range(1, N + 1))).all() and ts[1].float().eq(N).all()
+    with pytest.raises(ValueError, match="same dtype"):
+        comm.grouped_allreduce_([np.ones(3, np.float32), np.ones(3, np.float64)])
+    if N > 1:  # a different total on one rank: a clear error on every rank, no hang
+        with pytest.raises(comm.CollectiveMismatchError, match="elements"):
+            comm.grouped_allreduce_([np.ones(300_000 + (R == N - 1), np.float32), np.ones(5, np.float32)])
+        comm.barrier()

@@ -258,3 +258,40 @@ def test_piped_allreduce_refuses_bad_arguments():
     with pytest.raises(ValueError, match="contiguous"):
         ctx.allreduce_piped(np.ones(10, np.float32)[::2], DTYPE_CODES["float32"], 0, 2, None, 1.0, 1024)
     assert ctx.seq == 0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_piped_allreduce_of_a_list_reduces_the_concatenation_in_place(n):
+    """Several buffers (empty ones, ones shorter than a segment, ones spanning many) reduced as
+    their concatenation: gradient fusion with no bucket to copy into."""
+    rng = np.random.default_rng(n)
+    sizes = [0, 7, 1500, 0, 3, 2049, 1, 600]
+    data = [[rng.standard_normal(k).astype(np.float32) for k in sizes] for _ in range(n)]
+    expected = [data[0][i].copy() for i in range(len(sizes))]
+    for i in range(len(sizes)):
+        for q in range(1, n):
+            expected[i] += data[q][i]
+
+    def body(ctx, q):
+        mine = [a.copy() for a in data[q]]
+        assert ctx.allreduce_piped(mine, DTYPE_CODES["float32"], shmsync.OP_CODES["sum"], n, None, 10.0,
+                                   1024) == shmsync.ST_OK
+        empty = []
+        assert ctx.allreduce_piped(empty, DTYPE_CODES["float32"], 0, n, None, 10.0, 1024) == shmsync.ST_OK
+        return mine
+
+    for mine in run_ranks(n, SLOT, body):
+        for got, want in zip(mine, expected):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_piped_allreduce_of_a_list_refuses_a_read_only_or_ragged_buffer():
+    mem, addrs = regions(2)
+    ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
+    frozen = np.ones(10, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((ValueError, BufferError), match="writable|read-only"):
+        ctx.allreduce_piped([np.ones(10, np.float32), frozen], DTYPE_CODES["float32"], 0, 2, None, 1.0, 1024)
+    with pytest.raises(ValueError, match="whole number"):
+        ctx.allreduce_piped([np.ones(5, np.uint8)], DTYPE_CODES["float32"], 0, 2, None, 1.0, 1024)
+    assert ctx.seq == 0
