@@ -29,7 +29,8 @@ def __getattr__(name):
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
-    "mpi_threads_supported", "abort_job", "rendezvous_address", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "allgather",
+    "mpi_threads_supported", "abort_job", "rendezvous_address", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async",
+    "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
     "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "Handle",
     "synchronize_all", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",

@@ -233,6 +233,15 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     return list(xs)
 
 
+def grouped_allreduce_async(xs: Sequence[Any], op: str = "sum", group: Optional[Group] = None) -> asyncq.Handle:
+    """Start ``grouped_allreduce_`` on the background thread; ``handle.wait()`` returns ``xs``."""
+    g = resolve(group)
+    check_op(op)
+    for x in xs:
+        flatten(x, writable=True, what="grouped_allreduce_async")  # fail here, in the caller's thread
+    return asyncq.submit(f"grouped_allreduce_async({op})", lambda: grouped_allreduce_(xs, op, g))
+
+
 def shared_buffer(shape, dtype="float32", group: Optional[Group] = None) -> algorithms.SharedBuffer:
     """Allocate a buffer in the node's shared window (same shape and dtype on every rank of
     ``group``; every rank calls this). All-reduces on it, or on contiguous views into it, run
