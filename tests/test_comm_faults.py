@@ -8,10 +8,11 @@ from mpirun import ROOT, python_argv, run_mpi
 SCRIPTS = ROOT / "tests" / "mpi_scripts"
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_stall_watchdog_names_missing_rank_and_aborts(n):
+@pytest.mark.parametrize("n,elements", [(2, 4), (3, 4), (2, 1_000_000)])  # flag exchange; piped path
+def test_stall_watchdog_names_missing_rank_and_aborts(n, elements):
     t0 = time.monotonic()
-    result = run_mpi(n, python_argv(str(SCRIPTS / "stall.py")), timeout=60, env={"HPCTRAIN_STALL_TIMEOUT": "3"})
+    result = run_mpi(n, python_argv(str(SCRIPTS / "stall.py"), str(elements)), timeout=60,
+                     env={"HPCTRAIN_STALL_TIMEOUT": "3"})
     elapsed = time.monotonic() - t0
     assert result.returncode not in (0, -9), result.stdout
     assert "STALL" in result.stdout and "Not arrived: ranks 1" in result.stdout, result.stdout

@@ -182,16 +182,16 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 
 # Thresholds from `hpctrain bench allreduce` on a 2-core node (Open MPI 5.0.11, 2–4 ranks,
 # float32; tables in docs/performance.md). On the caller's own (private) buffer, one node:
-# MPI_Allreduce in place wins up to tens of MiB (a Python ring pays ~17 µs per message and
-# the shared window needs a copy in and out); from LARGE_RING_BYTES the ring wins, since Open
-# MPI's large-message algorithm degrades. Across nodes, the hierarchical path sends 1/local_size
+# with the shared-memory flags, the flag exchange up to a slot and the piped path above it
+# (below); without them MPI_Allreduce in place wins up to tens of MiB (a Python ring pays
+# ~17 µs per message and a whole-buffer window copy costs a pass in and out), and from
+# LARGE_RING_BYTES the ring, since Open MPI's large-message algorithm degrades. Across nodes, the hierarchical path sends 1/local_size
 # of the data over the network and wins from CROSS_NODE_SMALL_BYTES. Data already in a shared
 # buffer (zero-copy) beats native from SHARED_SMALL_BYTES.
 LARGE_RING_BYTES = 32 * 1024 * 1024
-# With the node's shared-memory flags (slots of at least this size), a private buffer larger
-# than a slot streams through the slots in cache-sized segments instead ("shm", piped): the
-# buffer read and written once, 1.4–2.2× MPI_Allreduce from 1 to 64 MiB at 2–3 ranks here.
-PIPED_MIN_SLOT_BYTES = 4096
+# With the node's shared-memory flags, a private buffer larger than the flag exchange streams
+# through the flag slots in cache-sized segments instead ("shm", piped): the buffer read and
+# written once, 1.4–2.1× MPI_Allreduce from 1 to 64 MiB at 2–4 ranks here.
 CROSS_NODE_SMALL_BYTES = 64 * 1024
 SHARED_SMALL_BYTES = 16 * 1024
 
@@ -202,7 +202,8 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
 
     ``small_shm``: the largest message the node's shared-memory flag exchange takes for this
     dtype (0: not available — no C extension, or a dtype its kernels lack); up to that size
-    one node's all-reduce is one flag round trip, faster than MPI_Allreduce.
+    one node's all-reduce is one flag round trip, above it streams through the flag slots;
+    both faster than MPI_Allreduce.
 
     Depends only on values that agree on every rank (message size, dtype, group layout,
     whether the data lives in a shared buffer), so every rank of a group picks the same one.
@@ -224,7 +225,7 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
             return "shm"
         if shared:
             return "shm" if nbytes >= SHARED_SMALL_BYTES else "native"
-        if nbytes and small_shm >= PIPED_MIN_SLOT_BYTES:
+        if nbytes and small_shm:
             return "shm"
         return "ring" if nbytes >= LARGE_RING_BYTES else "native"
     if nbytes < CROSS_NODE_SMALL_BYTES:

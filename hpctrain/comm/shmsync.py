@@ -17,7 +17,6 @@ from mpi4py import MPI
 
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
-from .plan import PIPED_MIN_SLOT_BYTES
 
 try:
     from . import _shmsync
@@ -25,17 +24,32 @@ except ImportError:  # built with optional=True: no compiler, no extension
     _shmsync = None
 
 # All-reduces up to this many bytes run as one flag exchange: every rank copies its data into
-# its slot and reduces all slots itself (one round trip, no second barrier). Measured on the
-# 2-core dev machine (docs/performance.md): faster than MPI_Allreduce up to 256 KiB at 2 ranks.
-SMALL_ALLREDUCE_BYTES = 256 * 1024
+# its slot and reduces all slots itself (one round trip, no second barrier). Above it they are
+# piped through the slots (``allreduce_piped``: each rank reduces only its part, two round trips
+# per segment). Measured on the 2-core dev machine (docs/performance.md): both beat
+# MPI_Allreduce; from 32 KiB the piped path is as fast at 2 ranks and 1.4–1.6× faster at 4
+# (the exchange makes every rank read every rank's data).
+SMALL_ALLREDUCE_BYTES = 16 * 1024
+# Each local rank's two data slots: the staging of the piped path (one segment each).
+SLOT_BYTES = 256 * 1024
+PIPED_MIN_SLOT_BYTES = 4096  # smaller slots (HPCTRAIN_SHM_SLOT_BYTES) do not pipe
+
+
+def _size_from_env(name: str, default: int) -> int:
+    from .plan import parse_size
+
+    return parse_size(os.environ.get(name, str(default)))
 
 
 def small_allreduce_bytes() -> int:
-    """HPCTRAIN_SHM_SMALL_BYTES, default SMALL_ALLREDUCE_BYTES (the window holds twice this
-    per local rank and group)."""
-    from .plan import parse_size
+    """HPCTRAIN_SHM_SMALL_BYTES, default SMALL_ALLREDUCE_BYTES: the largest flag exchange."""
+    return _size_from_env("HPCTRAIN_SHM_SMALL_BYTES", SMALL_ALLREDUCE_BYTES)
 
-    return parse_size(os.environ.get("HPCTRAIN_SHM_SMALL_BYTES", str(SMALL_ALLREDUCE_BYTES)))
+
+def slot_bytes_wanted() -> int:
+    """HPCTRAIN_SHM_SLOT_BYTES, default SLOT_BYTES, at least the largest flag exchange (the
+    window holds two slots per local rank and group)."""
+    return max(_size_from_env("HPCTRAIN_SHM_SLOT_BYTES", SLOT_BYTES), small_allreduce_bytes())
 # dtypes and ops the C kernels reduce (float16/bfloat16/complex/bool take the MPI path)
 FAST_DTYPES = frozenset(DTYPE_CODES[n] for n in (
     "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
@@ -77,11 +91,12 @@ def available() -> bool:
 class NodeFlags:
     """One flag, two header slots and two data slots per local rank of ``node_comm``."""
 
-    def __init__(self, node_comm, slot_bytes: int, spin: int) -> None:
+    def __init__(self, node_comm, slot_bytes: int, spin: int, small_bytes: Optional[int] = None) -> None:
         self.comm = node_comm
         self.size = node_comm.Get_size()
         self.rank = node_comm.Get_rank()
         self.slot_bytes = slot_bytes
+        self.small_bytes = slot_bytes if small_bytes is None else min(small_bytes, slot_bytes)  # flag exchange
         region = _shmsync.REGION_HEADER_BYTES + 2 * slot_bytes
         self.win = MPI.Win.Allocate_shared(region, 1, comm=node_comm)
         views = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8) for q in range(self.size)]
@@ -93,22 +108,24 @@ class NodeFlags:
     @classmethod
     def create(cls, node_comm, slot_bytes: Optional[int] = None) -> Optional["NodeFlags"]:
         """Collective over ``node_comm``: NodeFlags on every rank, or None on every rank
-        (extension missing or switched off on any rank, or a single rank). The slot size is
-        the smallest any rank asked for, so that every rank picks the same algorithms."""
+        (extension missing or switched off on any rank, or a single rank). The slot size and
+        the flag-exchange limit are the smallest any rank asked for, so that every rank picks
+        the same algorithms."""
         if node_comm.Get_size() == 1:
             return None
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        wanted = small_allreduce_bytes() if slot_bytes is None else slot_bytes
-        votes = node_comm.allgather((available(), cpus, wanted))
-        if not all(ok for ok, _, _ in votes):
+        wanted = slot_bytes_wanted() if slot_bytes is None else slot_bytes
+        votes = node_comm.allgather((available(), cpus, wanted, small_allreduce_bytes()))
+        if not all(v[0] for v in votes):
             return None
-        slot_bytes = min(w for _, _, w in votes)
-        usable = set().union(*(set(c) for _, c, _ in votes))
+        slot_bytes = min(v[2] for v in votes)
+        small_bytes = min(v[3] for v in votes)
+        usable = set().union(*(set(v[1]) for v in votes))
         # more ranks than cores: a spinning rank would take the core its peer needs
         spin = _SPIN_ITERATIONS if len(usable) >= node_comm.Get_size() else 0
         flags, error = None, None
         try:
-            flags = cls(node_comm, slot_bytes, spin)
+            flags = cls(node_comm, slot_bytes, spin, small_bytes)
         except MPI.Exception as exc:  # an MPI without usable shared windows
             error = exc
         if node_comm.allreduce(0 if flags is None else 1, op=MPI.MIN) == 0:
@@ -134,8 +151,8 @@ class NodeFlags:
             self.check(status, dog, what, describe, group)
 
     def pipes(self, nbytes: int) -> bool:
-        """Whether an all-reduce of ``nbytes`` (more than a slot) can stream through the slots."""
-        return nbytes > self.slot_bytes >= PIPED_MIN_SLOT_BYTES
+        """Whether an all-reduce of ``nbytes`` (more than a flag exchange) streams through the slots."""
+        return nbytes > self.small_bytes and self.slot_bytes >= PIPED_MIN_SLOT_BYTES
 
     def allreduce_piped(self, x: np.ndarray, code: int, op: str, divisor: int, header, dog, what, describe,
                         group) -> None:

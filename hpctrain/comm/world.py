@@ -64,7 +64,7 @@ class Group:
         from .shmsync import NodeFlags
 
         self.node_flags = NodeFlags.create(self.node_comm)
-        self.small_shm = self.node_flags.slot_bytes if self.node_flags and self.topology.single_node else 0
+        self.small_shm = self.node_flags.small_bytes if self.node_flags and self.topology.single_node else 0
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         self._lock = threading.RLock()
