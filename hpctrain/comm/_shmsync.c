@@ -316,6 +316,18 @@ static int Ctx_init(Ctx *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* The optional 64-byte agreement header: 1 acquired, 0 None, -1 error (exception set). */
+static int header_acquire(PyObject *obj, Py_buffer *hdr) {
+    if (obj == Py_None) return 0;
+    if (PyObject_GetBuffer(obj, hdr, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (hdr->len != HDR_BYTES) {
+        PyBuffer_Release(hdr);
+        PyErr_Format(PyExc_ValueError, "header must be %d bytes", HDR_BYTES);
+        return -1;
+    }
+    return 1;
+}
+
 /* exchange(header, buf, dtype, op, timeout) -> status
  * header: a 64-byte buffer or None; buf: a writable C-contiguous buffer or None. */
 static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
@@ -324,15 +336,8 @@ static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
     double timeout;
     if (!PyArg_ParseTuple(args, "OOiid", &hdr_obj, &buf_obj, &dtype, &op, &timeout)) return NULL;
     Py_buffer hdr = {0}, buf = {0};
-    int have_hdr = hdr_obj != Py_None, have_buf = buf_obj != Py_None;
-    if (have_hdr) {
-        if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-        if (hdr.len != HDR_BYTES) {
-            PyBuffer_Release(&hdr);
-            PyErr_Format(PyExc_ValueError, "header must be %d bytes", HDR_BYTES);
-            return NULL;
-        }
-    }
+    int have_hdr = header_acquire(hdr_obj, &hdr), have_buf = buf_obj != Py_None;
+    if (have_hdr < 0) return NULL;
     Py_ssize_t n = 0;
     if (have_buf) {
         if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
@@ -462,15 +467,8 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
         return NULL;
     }
     Py_buffer hdr = {0};
-    int have_hdr = hdr_obj != Py_None;
-    if (have_hdr) {
-        if (PyObject_GetBuffer(hdr_obj, &hdr, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-        if (hdr.len != HDR_BYTES) {
-            PyBuffer_Release(&hdr);
-            PyErr_Format(PyExc_ValueError, "header must be %d bytes", HDR_BYTES);
-            return NULL;
-        }
-    }
+    int have_hdr = header_acquire(hdr_obj, &hdr);
+    if (have_hdr < 0) return NULL;
     VBuf v;
     if (vbuf_acquire(&v, buf_obj, item) < 0) {
         if (have_hdr) PyBuffer_Release(&hdr);
