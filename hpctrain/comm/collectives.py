@@ -110,8 +110,8 @@ def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     if nbytes <= g.small_shm:
         return _small_allreduce_(g, x, op)
     code = _FAST_DTYPES.get(x.dtype)
-    if (code is None or not g.node_flags.pipes(nbytes) or g.shared_buffers or op not in _HEADER_OP
-            or not x.flags.c_contiguous or not x.flags.writeable):
+    if (code is None or nbytes >= plan.LARGE_RING_BYTES or not g.node_flags.pipes(nbytes) or g.shared_buffers
+            or op not in _HEADER_OP or not x.flags.c_contiguous or not x.flags.writeable):
         return False
     g.seq += 1
     header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0) if guard.checks_enabled() else None
@@ -212,7 +212,8 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     code = shmsync.kernel_dtype_code(name)
     itemsize = flats[0].array.itemsize if flats else 4
     if (g.small_shm and code is not None and g.node_flags.pipes(total * itemsize) and op in _HEADER_OP
-            and requested_algorithm("auto") in ("auto", "shm")):
+            and (requested_algorithm("auto") == "shm"
+                 or requested_algorithm("auto") == "auto" and total * itemsize < plan.LARGE_RING_BYTES)):
         g.seq += 1
         header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "shm", 0).tolist(), 0)
                   if guard.checks_enabled() else None)

@@ -189,9 +189,12 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 # of the data over the network and wins from CROSS_NODE_SMALL_BYTES. Data already in a shared
 # buffer (zero-copy) beats native from SHARED_SMALL_BYTES.
 LARGE_RING_BYTES = 32 * 1024 * 1024
-# With the node's shared-memory flags, a private buffer larger than the flag exchange streams
-# through the flag slots in cache-sized segments instead ("shm", piped): the buffer read and
-# written once, 1.4–2.1× MPI_Allreduce from 1 to 64 MiB at 2–4 ranks here.
+# With the node's shared-memory flags, a private buffer larger than the flag exchange and
+# smaller than LARGE_RING_BYTES streams through the flag slots in cache-sized segments ("shm",
+# piped): the buffer read and written once, 1.2–2× MPI_Allreduce from 16 KiB to 16 MiB at 2–4
+# ranks here. Not above: at 64 MiB it ran 1.5–1.75× on some runs and 0.72–0.82× on others (the
+# lockstep segments suffer most when the two vCPUs land far apart), where the ring stayed
+# 0.95–1.11× (docs/performance.md).
 CROSS_NODE_SMALL_BYTES = 64 * 1024
 SHARED_SMALL_BYTES = 16 * 1024
 
@@ -225,7 +228,7 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
             return "shm"
         if shared:
             return "shm" if nbytes >= SHARED_SMALL_BYTES else "native"
-        if nbytes and small_shm:
+        if 0 < nbytes < LARGE_RING_BYTES and small_shm:
             return "shm"
         return "ring" if nbytes >= LARGE_RING_BYTES else "native"
     if nbytes < CROSS_NODE_SMALL_BYTES:

@@ -160,7 +160,8 @@ def test_topology_single_node():
     assert comm.cross_size() == 1 and comm.cross_rank() == 0
     from hpctrain.comm import shmsync
 
-    assert comm.choose_algorithm(64 << 20) == ("native" if N == 1 else "shm" if shmsync.available() else "ring")
+    assert comm.choose_algorithm(64 << 20) == ("native" if N == 1 else "ring")
+    assert comm.choose_algorithm(16 << 20) == ("native" if N == 1 else "shm" if shmsync.available() else "native")
     assert comm.choose_algorithm(64 << 20, shared=True) == ("shm" if N > 1 else "native")
 
 

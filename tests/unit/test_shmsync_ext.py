@@ -111,8 +111,9 @@ def test_choose_algorithm_routes_small_messages_to_the_flag_exchange():
     assert plan.choose_algorithm(4096, one_node, small_shm=256 << 10) == "shm"
     assert plan.choose_algorithm(256 << 10, one_node, small_shm=256 << 10) == "shm"
     assert plan.choose_algorithm((256 << 10) + 1, one_node, small_shm=256 << 10) == "shm"  # piped
-    assert plan.choose_algorithm(64 << 20, one_node, small_shm=256 << 10) == "shm"
-    assert plan.choose_algorithm(64 << 20, one_node, small_shm=16 << 10) == "shm"
+    assert plan.choose_algorithm((32 << 20) - 4, one_node, small_shm=256 << 10) == "shm"
+    assert plan.choose_algorithm(32 << 20, one_node, small_shm=256 << 10) == "ring"  # large: the ring
+    assert plan.choose_algorithm(16 << 20, one_node, small_shm=16 << 10) == "shm"
     assert plan.choose_algorithm(64 << 20, one_node, small_shm=0) == "ring"  # no flags: messages
     assert plan.choose_algorithm(4096, one_node, small_shm=0) == "native"
     assert plan.choose_algorithm(0, one_node, small_shm=256 << 10) == "native"
