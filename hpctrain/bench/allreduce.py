@@ -4,7 +4,8 @@ torch.distributed Gloo and Horovod (when importable), in one run.
 Every algorithm reduces the same in-place buffer (what gradient reduction does; one buffer
 per size shared by all competitors, refilled before each: a copy's speed here depends on
 where the buffer's pages lie). A time is
-the slowest rank's mean over --iters after --warmup; with --repeats R the table shows the
+the slowest rank's mean over the calls of one timing (at least --iters; up to 1000 for small
+messages, enough to move 20 MiB) after --warmup; with --repeats R the table shows the
 median over repeats and the spread (min–max). Order of competitors rotates per repeat.
 The reference ("best MPI") is, per size, the faster of the MPI library's in-place and
 out-of-place MPI_Allreduce (mpi, mpi-oop).
@@ -40,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "buffer), auto-check (auto with the agreement check on, the default outside the "
                         "bench), shm-zc and auto-zc (hpctrain on a buffer in the shared window: zero-copy), "
                         "gloo (torch.distributed), horovod (if importable; in its own phase)")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20,
+                   help="calls per timing, at least (default 20); small messages get more, up to 1000, so "
+                        "that each timing moves ≥ 20 MiB per rank (a 30 µs call timed 20 times is one "
+                        "scheduler hiccup away from a different result)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
@@ -50,6 +54,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def busbw_factor(ranks: int) -> float:
     return 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+
+
+TIMING_BYTES = 20 << 20
+MAX_ITERS = 1000
+
+
+def iterations(nbytes: int, at_least: int) -> int:
+    """Calls per timing for messages of ``nbytes``: enough to move TIMING_BYTES (at most
+    MAX_ITERS), never fewer than asked. Depends only on the size: every rank agrees."""
+    return max(at_least, min(MAX_ITERS, TIMING_BYTES // max(nbytes, 1)))
 
 
 def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
@@ -156,6 +170,7 @@ def measure(runners, sizes, dtype, args, records):
     names = list(runners)
     for nbytes in sizes:
         count = max(nbytes // np.dtype(dtype).itemsize, 1)
+        iters = iterations(count * np.dtype(dtype).itemsize, args.iters)
         times: Dict[str, List[float]] = {a: [] for a in names}
         # One buffer per size for every competitor: a memory copy's speed here depends on
         # where its pages lie (the same 1 MiB MPI_Allreduce takes ~200 or ~550 µs depending
@@ -165,12 +180,12 @@ def measure(runners, sizes, dtype, args, records):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for algo in order:
                 buf.fill(1)
-                times[algo].append(timed(runners[algo](buf), args.iters, args.warmup))
+                times[algo].append(timed(runners[algo](buf), iters, args.warmup))
         for algo in names:
             t = statistics.median(times[algo])
             algbw = count * np.dtype(dtype).itemsize / t / 1e9
             records.append({
-                "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype,
+                "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype, "iters": iters,
                 "time_s": t, "time_min_s": min(times[algo]), "time_max_s": max(times[algo]),
                 "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(n),
                 "chosen": (comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc",
@@ -236,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             print("horovod: not importable, skipped (build it with benchmarks/build_horovod.sh)")
     comm.set_checks(was_checking)
     if comm.rank() == 0:
-        print(f"hpctrain bench allreduce: {layout}; dtype={args.dtype} iters={args.iters} "
+        print(f"hpctrain bench allreduce: {layout}; dtype={args.dtype} iters>={args.iters} (more for small messages) "
               f"warmup={args.warmup} repeats={args.repeats} agreement-check={'on' if args.check else 'off'}")
         records.sort(key=lambda r: (r["bytes"], algos.index(r["algo"]) if r["algo"] in algos else 99))
         print_table(records)
