@@ -191,7 +191,7 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 LARGE_RING_BYTES = 32 * 1024 * 1024
 # With the node's shared-memory flags, a private buffer larger than the flag exchange and
 # smaller than LARGE_RING_BYTES streams through the flag slots in cache-sized segments ("shm",
-# piped): the buffer read and written once, 1.2–2× MPI_Allreduce from 16 KiB to 16 MiB at 2–4
+# piped): the buffer read and written once, 1.1–2.3× MPI_Allreduce from 1 to 16 MiB at 2–4
 # ranks here. Not above: at 64 MiB it ran 1.5–1.75× on some runs and 0.72–0.82× on others (the
 # lockstep segments suffer most when the two vCPUs land far apart), where the ring stayed
 # 0.95–1.11× (docs/performance.md).

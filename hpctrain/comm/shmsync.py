@@ -26,10 +26,10 @@ except ImportError:  # built with optional=True: no compiler, no extension
 # All-reduces up to this many bytes run as one flag exchange: every rank copies its data into
 # its slot and reduces all slots itself (one round trip, no second barrier). Above it they are
 # piped through the slots (``allreduce_piped``: each rank reduces only its part, two round trips
-# per segment). Measured on the 2-core dev machine (docs/performance.md): both beat
-# MPI_Allreduce; from 32 KiB the piped path is as fast at 2 ranks and 1.4–1.6× faster at 4
-# (the exchange makes every rank read every rank's data).
-SMALL_ALLREDUCE_BYTES = 16 * 1024
+# per segment). Measured on the 2-core dev machine (docs/performance.md): the exchange beats
+# MPI_Allreduce up to 256 KiB at 2–3 ranks; in full `bench allreduce` runs with a 16 KiB limit
+# the piped path lost to MPI at 64 KiB at 2 ranks (0.44–0.77×) where the exchange ran 1.3–1.8×.
+SMALL_ALLREDUCE_BYTES = 256 * 1024
 # Each local rank's two data slots: the staging of the piped path (one segment each).
 SLOT_BYTES = 256 * 1024
 PIPED_MIN_SLOT_BYTES = 4096  # smaller slots (HPCTRAIN_SHM_SLOT_BYTES) do not pipe

@@ -17,8 +17,8 @@ VARIANT_RANKS = (3,)
 
 comm.init()
 N, R = comm.size(), comm.rank()
-# 4096 float32: the largest flag exchange; above it the piped path (65536: two segments)
-LENGTHS = sorted({0, 1, max(N - 1, 0), N + 1, 4096, 65536, 1000003})
+# 65536 float32: the largest flag exchange; above it the piped path (65537: two segments)
+LENGTHS = sorted({0, 1, max(N - 1, 0), N + 1, 65536, 65537, 1000003})
 DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint8"]
 ALGOS = ["native", "ring", "shm", "hierarchical", "auto"]
 
