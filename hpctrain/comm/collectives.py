@@ -67,7 +67,8 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     (auto picks by size and topology; HPCTRAIN_ALLREDUCE overrides auto).
     """
     g = _sync_start(group)
-    if g.small_shm and algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto":
+    if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and x.nbytes < plan.LARGE_RING_BYTES
+            and requested_algorithm("auto") == "auto"):  # (larger: the ring, on the general path)
         out = np.array(x, order="C")  # a contiguous copy, reduced in place
         if _lean_allreduce_(g, out, op):
             return out
@@ -94,7 +95,6 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Opt
 
 _FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
                 if DTYPE_CODES[name] in shmsync.FAST_DTYPES}
-_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 _HEADER_OP = {op: guard.reduction_index(op) for op in shmsync.OP_CODES}
 _SMALL_OP = {op: (guard.reduction_index(op), code) for op, code in shmsync.OP_CODES.items()}  # (header, kernel)
 _SHM = guard.algorithm_index("shm")
@@ -210,10 +210,10 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     name = names.pop() if names else "float32"
     total = sum(f.array.size for f in flats)
     code = shmsync.kernel_dtype_code(name)
-    itemsize = flats[0].array.itemsize if flats else 4
-    if (g.small_shm and code is not None and g.node_flags.pipes(total * itemsize) and op in _HEADER_OP
-            and (requested_algorithm("auto") == "shm"
-                 or requested_algorithm("auto") == "auto" and total * itemsize < plan.LARGE_RING_BYTES)):
+    nbytes = total * (flats[0].array.itemsize if flats else 4)
+    requested = requested_algorithm("auto")
+    if (g.small_shm and code is not None and g.node_flags.pipes(nbytes) and op in _HEADER_OP
+            and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES)):
         g.seq += 1
         header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "shm", 0).tolist(), 0)
                   if guard.checks_enabled() else None)

@@ -182,12 +182,13 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 
 # Thresholds from `hpctrain bench allreduce` on a 2-core node (Open MPI 5.0.11, 2–4 ranks,
 # float32; tables in docs/performance.md). On the caller's own (private) buffer, one node:
-# with the shared-memory flags, the flag exchange up to a slot and the piped path above it
-# (below); without them MPI_Allreduce in place wins up to tens of MiB (a Python ring pays
-# ~17 µs per message and a whole-buffer window copy costs a pass in and out), and from
-# LARGE_RING_BYTES the ring, since Open MPI's large-message algorithm degrades. Across nodes, the hierarchical path sends 1/local_size
-# of the data over the network and wins from CROSS_NODE_SMALL_BYTES. Data already in a shared
-# buffer (zero-copy) beats native from SHARED_SMALL_BYTES.
+# with the shared-memory flags, the flag exchange up to 256 KiB (shmsync.SMALL_ALLREDUCE_BYTES)
+# and the piped path above it (below); without them MPI_Allreduce in place wins up to tens of
+# MiB (a Python ring pays ~17 µs per message and a whole-buffer window copy costs a pass in
+# and out). From LARGE_RING_BYTES the ring, since Open MPI's large-message algorithm
+# degrades. Across nodes, the hierarchical path sends 1/local_size of the data over the
+# network and wins from CROSS_NODE_SMALL_BYTES. Data already in a shared buffer (zero-copy)
+# beats native from SHARED_SMALL_BYTES.
 LARGE_RING_BYTES = 32 * 1024 * 1024
 # With the node's shared-memory flags, a private buffer larger than the flag exchange and
 # smaller than LARGE_RING_BYTES streams through the flag slots in cache-sized segments ("shm",
