@@ -193,9 +193,9 @@ def _record_shm_calls(monkeypatch) -> list:
     calls = []
     original = algorithms.shm_
 
-    def spy(group, src, out, op, dtype_name, dog, what, cross=False):
+    def spy(group, src, out, op, dtype_name, dog, what, cross=False, header=None):
         calls.append({"cross": cross, "node_size": group.node_comm.Get_size()})
-        return original(group, src, out, op, dtype_name, dog, what, cross=cross)
+        return original(group, src, out, op, dtype_name, dog, what, cross=cross, header=header)
 
     monkeypatch.setattr(algorithms, "shm_", spy)
     return calls
@@ -212,10 +212,12 @@ def test_shared_memory_never_spans_nodes(world, monkeypatch):
     assert comm.choose_algorithm(x.nbytes, algorithm="shm") == ("hierarchical" if spans else "shm")
     assert calls and calls[-1]["cross"] == spans
     assert calls[-1]["node_size"] == local_size
-    # The window really lives on this node's ranks only.
-    arena = world.shm_arena
-    assert arena is not None and arena.comm.Get_size() == local_size
-    assert set(arena.comm.allgather(socket.gethostname())) == {host}
+    # The shared memory really lives on this node's ranks only: the window of the hierarchical
+    # path, or on one node the flag slots the piped path streams through.
+    assert world.shm_arena is not None or (not spans and world.node_flags is not None)
+    shared = world.shm_arena.comm if world.shm_arena is not None else world.node_flags.comm
+    assert shared.Get_size() == local_size
+    assert set(shared.allgather(socket.gethostname())) == {host}
 
 
 def test_auto_picks_hierarchical_across_nodes(world, monkeypatch):
@@ -283,8 +285,9 @@ def test_groups_within_one_node(world):
     host, local_rank, local_size, _ = expected_placement()[world.rank]
     assert (g.size, g.rank, g.local_size, g.cross_size) == (local_size, local_rank, local_size, 1)
     big = 4 << 20
-    # One node: never the cross-node path; on a shared buffer, the node's window.
-    assert comm.choose_algorithm(big, group=g) in (("native", "ring") if local_size > 1 else ("native",))
+    # One node: never the cross-node path; a private buffer streams through the node's flag
+    # slots (or MPI without them); on a shared buffer, the node's window.
+    assert comm.choose_algorithm(big, group=g) in (("shm", "native") if local_size > 1 else ("native",))
     assert comm.choose_algorithm(big, group=g, shared=True) == ("shm" if local_size > 1 else "native")
     x = np.full(big // 4, world.rank + 1, dtype=np.float32)
     out = comm.allreduce(x, group=g)
