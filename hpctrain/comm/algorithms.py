@@ -214,6 +214,15 @@ class ShmArena:
             self.capacity = 0
 
 
+def pipes(group, nbytes: int, dtype_name: str, cross: bool = False) -> bool:
+    """Whether ``shm_`` streams an all-reduce of ``nbytes`` through the node's flag slots (the
+    piped path) rather than a whole-buffer window. Callers ask this too, to hand the piped
+    path their agreement header instead of exchanging it first."""
+    flags = group.node_flags
+    return (flags is not None and not cross and shmsync.kernel_dtype_code(dtype_name) is not None
+            and flags.pipes(nbytes))
+
+
 def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog, what,
          cross: bool = False, header: Optional[bytes] = None) -> None:
     """All-reduce through the node's shared window; with ``cross``, the hierarchical variant
@@ -228,11 +237,11 @@ def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog,
     ``src`` and ``out`` may be the same array. ``header``: the packed agreement check, for the
     piped path to carry on its first flag (the caller then skips its own agreement exchange).
     """
-    flags, code = group.node_flags, shmsync.kernel_dtype_code(dtype_name)
-    if flags is not None and code is not None and not cross and flags.pipes(src.nbytes):
+    if pipes(group, src.nbytes, dtype_name, cross):
         if out is not src:
             np.copyto(out, src)
-        flags.allreduce_piped(out, code, op, group.size, header, dog, what, _describe_local, group)
+        group.node_flags.allreduce_piped(out, shmsync.kernel_dtype_code(dtype_name), op, group.size, header, dog,
+                                         what, _describe_local, group)
         return
     node = group.node_comm
     local_size, local_rank = node.Get_size(), node.Get_rank()

@@ -160,8 +160,7 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
         return x if inplace else rebuild(flat, out)
     extra = shared[1] + 1 if shared else 0
     # the piped path carries the agreement header on its first flag, as the lean path does
-    piped = (shared is None and algo == "shm" and g.small_shm and g.node_flags.pipes(src.nbytes)
-             and shmsync.kernel_dtype_code(flat.dtype_name) is not None)
+    piped = shared is None and algo == "shm" and algorithms.pipes(g, src.nbytes, flat.dtype_name)
     header = None
     if guard.checks_enabled() and not piped:
         guard.agree(g, guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra), dog)
@@ -212,7 +211,7 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     code = shmsync.kernel_dtype_code(name)
     nbytes = total * (flats[0].array.itemsize if flats else 4)
     requested = requested_algorithm("auto")
-    if (g.small_shm and code is not None and g.node_flags.pipes(nbytes) and op in _HEADER_OP
+    if (g.small_shm and algorithms.pipes(g, nbytes, name) and op in _HEADER_OP
             and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES)):
         g.seq += 1
         header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "shm", 0).tolist(), 0)
