@@ -8,11 +8,12 @@ from mpirun import ROOT, python_argv, run_mpi
 SCRIPTS = ROOT / "tests" / "mpi_scripts"
 
 
-@pytest.mark.parametrize("n,elements", [(2, 4), (3, 4), (2, 1_000_000)])  # flag exchange; piped path
-def test_stall_watchdog_names_missing_rank_and_aborts(n, elements):
+# the flag exchange; auto's run-time choice (its agreement exchange); the piped path
+@pytest.mark.parametrize("n,elements,autotune", [(2, 4, "1"), (3, 4, "1"), (2, 1_000_000, "1"), (2, 1_000_000, "0")])
+def test_stall_watchdog_names_missing_rank_and_aborts(n, elements, autotune):
     t0 = time.monotonic()
     result = run_mpi(n, python_argv(str(SCRIPTS / "stall.py"), str(elements)), timeout=60,
-                     env={"HPCTRAIN_STALL_TIMEOUT": "3"})
+                     env={"HPCTRAIN_STALL_TIMEOUT": "3", "HPCTRAIN_AUTOTUNE": autotune})
     elapsed = time.monotonic() - t0
     assert result.returncode not in (0, -9), result.stdout
     assert "STALL" in result.stdout and "Not arrived: ranks 1" in result.stdout, result.stdout

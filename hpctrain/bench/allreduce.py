@@ -26,6 +26,7 @@ from typing import Callable, Dict, List
 import numpy as np
 
 from hpctrain import comm
+from hpctrain.comm import tuning
 from hpctrain.comm.plan import format_size, parse_size
 
 HPCTRAIN_ALGOS = ("native", "ring", "shm", "hierarchical", "auto")
@@ -176,11 +177,26 @@ def measure(runners, sizes, dtype, args, records):
         # where its pages lie (the same 1 MiB MPI_Allreduce takes ~200 or ~550 µs depending
         # on the allocation), so each algorithm getting its own buffer would compare luck.
         buf = np.ones(count, dtype=dtype)
+        chosen = {a: a for a in names}
+        tuned: Dict[str, Dict[str, int]] = {a: {} for a in names}  # auto's run-time choices, per algorithm
+        for algo in names:
+            if algo in ("auto", "auto-check"):
+                # auto's first calls of a size try each candidate (comm.tuning): learning, as
+                # in a job's first steps, not its steady speed — warm it up before timing
+                timed(runners[algo](buf), 0, tuning.LEARNING_CALLS)
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for algo in order:
                 buf.fill(1)
+                before = comm.tuned_counts(nbytes)
                 times[algo].append(timed(runners[algo](buf), iters, args.warmup))
+                if algo.startswith("auto"):
+                    for name, calls in comm.tuned_counts(nbytes).items():
+                        tuned[algo][name] = tuned[algo].get(name, 0) + calls - before.get(name, 0)
+        for algo in names:
+            if algo.startswith("auto"):
+                fixed = comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc", dtype=dtype)
+                chosen[algo] = comm.broadcast_object(chosen_label(fixed, tuned[algo]))
         for algo in names:
             t = statistics.median(times[algo])
             algbw = count * np.dtype(dtype).itemsize / t / 1e9
@@ -188,10 +204,18 @@ def measure(runners, sizes, dtype, args, records):
                 "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype, "iters": iters,
                 "time_s": t, "time_min_s": min(times[algo]), "time_max_s": max(times[algo]),
                 "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(n),
-                "chosen": (comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc",
-                                                 dtype=dtype)
-                           if algo.startswith("auto") else algo),
+                "chosen": chosen[algo],
             })
+
+
+def chosen_label(fixed: str, counts: Dict[str, int]) -> str:
+    """What ``auto`` ran: the fixed choice, or the run-time choices as shares of the calls
+    ("shm 94%+native 6%"), most used first."""
+    total = sum(counts.values())
+    if not total:
+        return fixed
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return "+".join(f"{name} {100 * n / total:.0f}%" for name, n in ranked if n)
 
 
 def layout_line() -> str:
@@ -222,14 +246,14 @@ def ratios_against(records: List[dict], competitor: str) -> Dict[tuple, float]:
 def print_table(records: List[dict], out=sys.stdout) -> None:
     ref = reference_times(records)
     vs = {c: ratios_against(records, c) for c in ("gloo", "horovod") if any(r["algo"] == c for r in records)}
-    print(f"{'size':>8} {'algo':>18} {'time_us':>10} {'spread_us':>15} {'algbw':>7} {'busbw':>7} "
+    print(f"{'size':>8} {'algo':>30} {'time_us':>10} {'spread_us':>15} {'algbw':>7} {'busbw':>7} "
           f"{'x_best_mpi':>10}" + "".join(f" {'x_' + c:>9}" for c in vs), file=out)
     for r in records:
         ratio = ref[r["bytes"]] / r["time_s"] if r["bytes"] in ref else float("nan")
         spread = f"{r['time_min_s'] * 1e6:.0f}-{r['time_max_s'] * 1e6:.0f}"
         algo = r["algo"] + (f"({r['chosen']})" if r["algo"].startswith("auto") else "")
         others = "".join(f" {vs[c].get((r['algo'], r['bytes']), float('nan')):>9.2f}" for c in vs)
-        print(f"{format_size(r['bytes']):>8} {algo:>18} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
+        print(f"{format_size(r['bytes']):>8} {algo:>30} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
               f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>10.2f}{others}", file=out)
 
 

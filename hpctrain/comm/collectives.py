@@ -6,12 +6,13 @@ caller's type. Blocking calls wait for queued async ones first, so order is kept
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, asyncq, guard, plan, shmsync
+from . import algorithms, asyncq, guard, plan, shmsync, tuning
 from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
 from .errors import CommError
 from .world import Group, resolve, watchdog
@@ -52,6 +53,31 @@ def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str 
     g = resolve(group)
     return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm), shared,
                                  _small_shm(g, str(dtype).replace("torch.", "")))
+
+
+_TUNING = {"on": None}
+
+
+def tuning_on() -> bool:
+    """Whether ``auto`` chooses at run time where several algorithms qualify (HPCTRAIN_AUTOTUNE,
+    read once per process; see hpctrain.comm.tuning)."""
+    if _TUNING["on"] is None:
+        _TUNING["on"] = tuning.enabled()
+    return _TUNING["on"]
+
+
+def tuned_counts(nbytes: int, group: Optional[Group] = None) -> Dict[str, int]:
+    """How many of this process's ``auto`` all-reduces of about ``nbytes`` (same size class) ran
+    each algorithm, as decided by the group's local rank 0 (empty elsewhere, or when nothing
+    was tuned at that size)."""
+    g = resolve(group)
+    counts: Dict[str, int] = {}
+    if g.tuner is not None:
+        for (cls, _), per_algo in g.tuner.counts().items():
+            if cls == tuning.size_class(nbytes):
+                for name, n in per_algo.items():
+                    counts[name] = counts.get(name, 0) + n
+    return counts
 
 
 def _small_shm(g: Group, dtype_name: str) -> int:
@@ -95,31 +121,85 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Opt
 
 _FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
                 if DTYPE_CODES[name] in shmsync.FAST_DTYPES}
+_FAST_DTYPE_NAMES = {dtype: dtype.name for dtype in _FAST_DTYPES}  # dtype.name costs µs per call
 _HEADER_OP = {op: guard.reduction_index(op) for op in shmsync.OP_CODES}
 _SMALL_OP = {op: (guard.reduction_index(op), code) for op, code in shmsync.OP_CODES.items()}  # (header, kernel)
 _SHM = guard.algorithm_index("shm")
+_AUTO = guard.algorithm_index("auto")
+_INT64 = DTYPE_CODES["int64"]
+_SUM = shmsync.OP_CODES["sum"]
 
 
 def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     """``auto`` on a one-node group with shared-memory flags, for a private numpy array, with
-    the least Python: the flag exchange up to ``g.small_shm`` bytes, the piped shared-memory
-    all-reduce above (agreement check on its first flag). Makes the same choice and the same
-    agreement header as the general path; False (nothing done) when ``x`` does not qualify
-    or lives in a shared buffer."""
+    the least Python: the flag exchange up to ``g.small_shm`` bytes; above it the run-time
+    choice (``_tuned_allreduce_``) or, with tuning off, the piped shared-memory all-reduce
+    below LARGE_RING_BYTES (agreement check on its first flag). Makes the same choice and the
+    same agreement header as the general path; False (nothing done) when ``x`` does not
+    qualify or lives in a shared buffer."""
     nbytes = x.nbytes
     if nbytes <= g.small_shm:
         return _small_allreduce_(g, x, op)
     code = _FAST_DTYPES.get(x.dtype)
-    if (code is None or nbytes >= plan.LARGE_RING_BYTES or not g.node_flags.pipes(nbytes) or g.shared_buffers
+    if (code is None or not g.node_flags.pipes(nbytes) or g.shared_buffers
             or op not in _HEADER_OP or not x.flags.c_contiguous or not x.flags.writeable):
         return False
+    tuned = tuning_on()
+    if not tuned and nbytes >= plan.LARGE_RING_BYTES:
+        return False
     g.seq += 1
-    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0) if guard.checks_enabled() else None
-    g.node_flags.allreduce_piped(
-        x, code, op, g.size, header, _world_state["watchdog"],
-        lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) [collective #{g.seq}] on {g.name}",
-        g.describe_ranks, g)
+    header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _AUTO if tuned else _SHM, 0, 0)
+              if guard.checks_enabled() else None)
+    what = lambda algo: (  # noqa: E731 - built only for a stall report
+        f"allreduce({op}, {x.dtype}, {x.size} elements, {algo}) [collective #{g.seq}] on {g.name}")
+    if tuned:
+        candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
+        _tuned_allreduce_(g, x, op, _FAST_DTYPE_NAMES[x.dtype], code, candidates, header, what)
+        return True
+    g.node_flags.allreduce_piped(x, code, op, g.size, header, _world_state["watchdog"], lambda: what("shm"),
+                                 g.describe_ranks, g)
     return True
+
+
+def _tuned_allreduce_(g: Group, out: np.ndarray, op: str, dtype_name: str, code: int, candidates: Tuple[str, ...],
+                      header: Optional[bytes], what) -> None:
+    """All-reduce ``out`` in place with the algorithm the group's local rank 0 picks among
+    ``candidates`` (``tuning.Tuner``). One flag exchange carries both the agreement check
+    (``header``) and that choice (a sum in which only local rank 0 contributes), so every rank
+    runs the same algorithm; local rank 0 then times the call and reports it to its tuner.
+    ``what(algo)``: the call, described for a stall report."""
+    flags = g.node_flags
+    dog = _world_state["watchdog"]
+    key = (tuning.size_class(out.nbytes), candidates)
+    deciding = flags.rank == 0
+    choice = g.tuned_choice
+    if deciding:
+        if g.tuner is None:
+            g.tuner = tuning.Tuner()
+        choice[0] = 1 + candidates.index(g.tuner.choose(key, candidates))
+    else:
+        choice[0] = 0
+    status = flags.ctx.exchange(header, choice, _INT64, _SUM, dog.timeout)
+    if status:
+        flags.check(status, dog, lambda: what("auto") + " (agreement check)", g.describe_ranks, g)
+    picked = int(choice[0])
+    if not 1 <= picked <= len(candidates):
+        raise CommError(f"{what('auto')}: the ranks of this node disagree on the algorithms to choose from "
+                        f"(local rank 0 sent choice {picked} of {len(candidates)}).\n"
+                        "HINT: every rank must call the same collective with the same size and dtype; "
+                        "switch the agreement check on (HPCTRAIN_CHECK_COLLECTIVES=1) to see which rank differs")
+    algo = candidates[picked - 1]
+    start = time.perf_counter()
+    if algo == "shm":
+        flags.allreduce_piped(out, code, op, g.size, None, dog, lambda: what(algo), g.describe_ranks, g)
+    elif algo == "ring":
+        algorithms.ring_(g.ring_comm, out, op, dtype_name, dog, lambda: what(algo),
+                         describe=lambda r: g.describe_ranks([r]))
+    else:
+        with dog.watch(lambda: what(algo), _all_ranks(g)):
+            algorithms.native_(g.comm, out, op, dtype_name)
+    if deciding:
+        g.tuner.record(key, algo, time.perf_counter() - start)
 
 
 def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
@@ -149,10 +229,22 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
         raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
     shared = _find_shared(g, flat.array) if inplace else None
     small = _small_shm(g, flat.dtype_name)
-    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested_algorithm(algorithm), shared is not None,
-                                 small)
+    requested = requested_algorithm(algorithm)
+    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested, shared is not None, small)
     dog = watchdog()
     src = flat.array
+    tuned = (plan.tuning_candidates(src.nbytes, g.topology, small, algorithms.pipes(g, src.nbytes, flat.dtype_name))
+             if requested == "auto" and shared is None and tuning_on() else ())
+    if tuned:  # several algorithms qualify: local rank 0 picks at run time (tuning.py)
+        g.seq += 1
+        header = (shmsync.HEADER.pack(
+            *guard.make_header(g.seq, "allreduce", op, flat.dtype_name, src.size, "auto", 0).tolist(), 0)
+            if guard.checks_enabled() else None)
+        out = src if inplace else src.copy()
+        _tuned_allreduce_(g, out, op, flat.dtype_name, shmsync.kernel_dtype_code(flat.dtype_name), tuned, header,
+                          lambda a: guard.describe_header(guard.make_header(
+                              g.seq, "allreduce", op, flat.dtype_name, src.size, a, 0)) + f" on {g.name}")
+        return x if inplace else rebuild(flat, out)
     if algo == "shm" and 0 < src.nbytes <= small:  # one flag exchange, agreement check included
         out = src if inplace else src.copy()
         if not _small_allreduce_(g, out, op):

@@ -237,6 +237,22 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
     return "hierarchical" if topology.homogeneous else "ring"
 
 
+def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bool) -> Tuple[str, ...]:
+    """The algorithms ``auto`` chooses among at run time for a private buffer of ``nbytes``
+    (hpctrain.comm.tuning), the expected winner first; empty where the fixed choice of
+    ``choose_algorithm`` stands (small messages, several nodes, no shared-memory flags).
+
+    Only on one node, above the flag exchange: there the winner flips with where the host
+    puts the cores (the piped path 1.2–1.5× MPI_Allreduce in one placement, 0.3× in the
+    other; docs/performance.md). Below LARGE_RING_BYTES the ring never led.
+    """
+    if topology.size == 1 or not topology.single_node or not small_shm or nbytes <= small_shm:
+        return ()
+    if nbytes < LARGE_RING_BYTES:
+        return ("shm", "native") if pipes else ()
+    return ("ring", "shm", "native") if pipes else ("ring", "native")
+
+
 # --------------------------------------------------------------------------- sizes
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}

@@ -9,6 +9,8 @@ import threading
 import traceback
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
+
 from . import launcher
 from .errors import NotInitializedError
 from .plan import Topology, topology_from_keys
@@ -67,6 +69,10 @@ class Group:
         self.small_shm = self.node_flags.small_bytes if self.node_flags and self.topology.single_node else 0
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
+        # auto's run-time choice (collectives._tuned_allreduce_): the tuner lives on local
+        # rank 0, which sends its pick through this one-element array
+        self.tuner = None
+        self.tuned_choice = np.zeros(1, dtype=np.int64)
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:

@@ -12,7 +12,8 @@ RANKS = (1, 2, 3, 4)
 TIMEOUT = 400
 # without shared-memory flags (no C extension, or HPCTRAIN_SHM_FLAGS=0): MPI barriers, the
 # coordinator's agreement check and native small all-reduces
-VARIANTS = {"noflags": {"HPCTRAIN_SHM_FLAGS": "0"}}
+# with HPCTRAIN_AUTOTUNE=0: auto's fixed thresholds (the piped path from 256 KiB to 32 MiB)
+VARIANTS = {"noflags": {"HPCTRAIN_SHM_FLAGS": "0"}, "fixed": {"HPCTRAIN_AUTOTUNE": "0"}}
 VARIANT_RANKS = (3,)
 
 comm.init()
@@ -263,3 +264,71 @@ def test_grouped_allreduce_bfloat16_and_errors():
         with pytest.raises(comm.CollectiveMismatchError, match="elements"):
             comm.grouped_allreduce_([np.ones(300_000 + (R == N - 1), np.float32), np.ones(5, np.float32)])
         comm.barrier()
+
+
+class CyclingTuner:
+    """Stands in for local rank 0's tuner: runs every candidate in turn, so that each call
+    takes another algorithm and a rank that did not follow the choice would deadlock or differ."""
+
+    def __init__(self):
+        self.ran = []
+        self.timings = []
+
+    def choose(self, key, candidates):
+        name = candidates[len(self.ran) % len(candidates)]
+        self.ran.append(name)
+        return name
+
+    def record(self, key, name, seconds):
+        self.timings.append((name, seconds))
+
+    def counts(self):
+        return {}
+
+
+@pytest.mark.parametrize("length", [300_000, 9_000_000])  # candidates (shm, native); ≥ 32 MiB (ring, shm, native)
+def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
+    g = comm.world()
+    from hpctrain.comm import collectives
+
+    tuned = N > 1 and g.node_flags is not None and collectives.tuning_on()
+    saved, g.tuner = g.tuner, CyclingTuner()
+    try:
+        for call in range(6):
+            x = local_data(length, "float32", R + call)
+            ref = reference(x, "sum")
+            if call % 3 == 0:
+                out = comm.allreduce_(x.copy())  # the lean path
+            elif call % 3 == 1:
+                out = comm.allreduce(x)
+            else:
+                out = comm.allreduce_(torch.from_numpy(x.copy())).numpy()  # the general path
+            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-5, atol=1e-4, err_msg=f"call {call}")
+            assert_same_on_every_rank(out)
+        stub = g.tuner
+    finally:
+        g.tuner = saved
+    if tuned and g.node_flags.rank == 0:
+        expected = {"shm", "native"} if length * 4 < (32 << 20) else {"ring", "shm", "native"}
+        assert set(stub.ran) == expected and len(stub.ran) == 6
+        assert [name for name, _ in stub.timings] == stub.ran and all(t > 0 for _, t in stub.timings)
+    else:  # only local rank 0 decides; nothing tuned without flags or with HPCTRAIN_AUTOTUNE=0
+        assert stub.ran == []
+
+
+def test_tuner_learns_on_local_rank_0_only():
+    g = comm.world()
+    from hpctrain.comm import collectives, tuning
+
+    x = np.ones(300_000, dtype=np.float32)
+    before = sum(comm.tuned_counts(x.nbytes).values())
+    for _ in range(tuning.LEARNING_CALLS + 5):
+        comm.allreduce_(x)
+    counts = comm.tuned_counts(x.nbytes)
+    deciding = N > 1 and g.node_flags is not None and collectives.tuning_on() and g.node_flags.rank == 0
+    if deciding:
+        assert set(counts) == {"shm", "native"} and all(counts.values())  # both tried
+        assert sum(counts.values()) - before == tuning.LEARNING_CALLS + 5
+    else:
+        assert counts == {}
+    np.testing.assert_array_equal(x, np.full(300_000, N ** (tuning.LEARNING_CALLS + 5), dtype=np.float32))

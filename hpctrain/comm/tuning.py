@@ -1,0 +1,189 @@
+"""Runtime choice between all-reduce algorithms that all qualify for a call (``auto`` on one
+node, private buffers above the flag exchange).
+
+Why at run time: on the 2-core dev machine the fastest algorithm for 1–64 MiB depends on
+where the host places the two vCPUs, and that changes every few seconds. In one placement the
+piped shared-memory path runs 1.2–1.5× ``MPI_Allreduce`` at 16 MiB; in the other, moving
+cache-resident lines between the cores slows ~4× and the same call runs 0.3× while
+``MPI_Allreduce`` (through memory) keeps its speed (docs/performance.md). No fixed threshold
+is right in both, so ``auto`` measures.
+
+How: the group's local rank 0 keeps, per message-size class, an estimate of each candidate's
+time (a moving average of its own timings) and picks the best; now and then it gives another
+candidate a short trial again, more rarely the worse that one was last time, so a change of
+state is seen within a few hundred calls at most and exploring costs a few per cent. The choice travels to
+every rank with the agreement check (``collectives``), so all ranks run the same algorithm.
+
+Pure: no MPI, no clocks; the caller times the calls and reports them with ``record``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, Sequence, Tuple
+
+# How often the best candidate is challenged: every EXPLORE_EVERY calls while the others were
+# last measured close to it, up to every EXPLORE_MAX calls for a candidate measured 4× slower
+# (the interval grows with the square of the last measured ratio). A challenge is a trial of
+# TRIAL_CALLS calls in a row.
+EXPLORE_EVERY = 32
+EXPLORE_MAX = 512
+TRIAL_CALLS = 3
+# Calls until every candidate of a three-way choice has had its first trial.
+LEARNING_CALLS = 3 * TRIAL_CALLS + 1
+# A trial whose first call takes more than this × the best's estimate ends at once.
+ABANDON_RATIO = 2.0
+WEIGHT = 0.3  # weight of the newest timing in the running candidate's estimate
+
+
+def enabled() -> bool:
+    """HPCTRAIN_AUTOTUNE=0 turns run-time tuning off: ``auto`` then uses the fixed thresholds."""
+    return os.environ.get("HPCTRAIN_AUTOTUNE", "1") != "0"
+
+
+@dataclass
+class Arm:
+    """What is known of one candidate for one size class."""
+
+    estimate: float = math.inf  # seconds per call
+    chosen: int = 0  # calls that ran it
+    last_trial: int = -1  # call index where its last trial began
+    fresh: bool = True  # the next kept timing replaces the estimate (a new trial)
+
+
+@dataclass
+class SizeClass:
+    candidates: Tuple[str, ...]
+    arms: Dict[str, Arm] = field(default_factory=dict)
+    calls: int = 0
+    best: str = ""  # the candidate with the lowest estimate, once all are tried
+    countdown: int = 0  # calls of the best before the next trial
+    trial: str = ""  # candidate on trial (or whose trial just ended)
+    trial_left: int = 0  # calls of that trial still to run
+    previous: str = ""  # candidate the call before ran
+    switched: bool = True  # this call runs another candidate than the one before
+
+    def __post_init__(self) -> None:
+        for name in self.candidates:
+            self.arms.setdefault(name, Arm())
+
+
+class Tuner:
+    """Picks one of several candidate algorithms per key and learns from reported timings.
+
+    The first call after a switch of algorithm is run but not believed: it pays for the
+    switch (MPI's buffers or the flag slots gone cold in the meantime), which would otherwise
+    make every challenger look worse than the incumbent.
+    """
+
+    def __init__(self, explore_every: int = EXPLORE_EVERY, explore_max: int = EXPLORE_MAX,
+                 trial_calls: int = TRIAL_CALLS, weight: float = WEIGHT) -> None:
+        if not 1 <= explore_every <= explore_max:
+            raise ValueError(f"need 1 ≤ explore_every ≤ explore_max, got {explore_every}, {explore_max}")
+        if trial_calls < 2:
+            raise ValueError(f"a trial needs ≥ 2 calls (its first is not believed), got {trial_calls}")
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.explore_every = explore_every
+        self.explore_max = explore_max
+        self.trial_calls = trial_calls
+        self.weight = weight
+        self.classes: Dict[Hashable, SizeClass] = {}
+
+    def choose(self, key: Hashable, candidates: Sequence[str]) -> str:
+        """The candidate to run for this call of class ``key``.
+
+        Every candidate is first tried (in the order given: put the expected winner first);
+        then the best estimate runs, except that every ``interval`` calls the least recently
+        tried other candidate runs a trial of ``trial_calls`` calls. Called around every
+        tuned collective: the common case (no trial due) is a few attribute updates.
+        """
+        sc = self.classes.get(key)
+        if sc is None or sc.candidates != candidates:
+            sc = self._class(key, candidates)
+        sc.calls += 1
+        if sc.trial_left:
+            sc.trial_left -= 1
+            return self._ran(sc, sc.trial)
+        if sc.countdown > 0:
+            sc.countdown -= 1
+            return self._ran(sc, sc.best)
+        untried = [n for n in sc.candidates if math.isinf(sc.arms[n].estimate)]
+        if untried:
+            return self._start_trial(sc, untried[0])
+        best = sc.best = self.best(key)
+        others = [n for n in sc.candidates if n != best]
+        if not others:
+            sc.countdown = 1 << 62
+            return self._ran(sc, best)
+        challenger = min(others, key=lambda n: sc.arms[n].last_trial)
+        if sc.trial:  # a trial just ended: the best runs for an interval before the next
+            sc.trial = ""
+            sc.countdown = self.interval(sc.arms[best].estimate, sc.arms[challenger].estimate) - 1
+            return self._ran(sc, best)
+        return self._start_trial(sc, challenger)
+
+    def record(self, key: Hashable, name: str, seconds: float) -> None:
+        """The call of class ``key`` just chosen, which ran ``name``, took ``seconds``."""
+        sc = self.classes[key]
+        arm = sc.arms[name]
+        if sc.switched:
+            if sc.trial_left and sc.best and seconds > ABANDON_RATIO * sc.arms[sc.best].estimate:
+                # more than a switch can cost: end the trial here, with this as its estimate
+                sc.trial_left = 0
+                arm.estimate, arm.fresh = seconds, False
+            return
+        if arm.fresh:
+            arm.estimate, arm.fresh = seconds, False
+        else:
+            arm.estimate += self.weight * (seconds - arm.estimate)
+        if name == sc.best and not sc.trial_left:
+            for other in sc.candidates:  # the running best got slower than another: switch now
+                if sc.arms[other].estimate < arm.estimate:
+                    sc.best = self.best(key)
+                    sc.countdown = self.interval(sc.arms[sc.best].estimate, arm.estimate)
+                    break
+
+    def best(self, key: Hashable) -> str:
+        sc = self.classes[key]
+        return min(sc.candidates, key=lambda n: sc.arms[n].estimate)
+
+    def estimates(self, key: Hashable) -> Dict[str, float]:
+        sc = self.classes[key]
+        return {n: sc.arms[n].estimate for n in sc.candidates}
+
+    def interval(self, best_estimate: float, other_estimate: float) -> int:
+        """Calls between two trials: ``explore_every`` × (other / best)², capped."""
+        if not best_estimate > 0 or math.isinf(other_estimate):
+            return self.explore_every
+        ratio = max(1.0, other_estimate / best_estimate)
+        return int(min(self.explore_max, max(self.explore_every, self.explore_every * ratio * ratio)))
+
+    def counts(self) -> Dict[Hashable, Dict[str, int]]:
+        """Calls that ran each candidate, per key (for reports and benchmarks)."""
+        return {key: {n: sc.arms[n].chosen for n in sc.candidates} for key, sc in self.classes.items()}
+
+    def _class(self, key: Hashable, candidates: Sequence[str]) -> SizeClass:
+        sc = self.classes.get(key)
+        if sc is None or sc.candidates != tuple(candidates):
+            sc = self.classes[key] = SizeClass(tuple(candidates))
+        return sc
+
+    def _start_trial(self, sc: SizeClass, name: str) -> str:
+        sc.trial, sc.trial_left = name, self.trial_calls - 1
+        sc.arms[name].last_trial = sc.calls
+        sc.arms[name].fresh = True
+        return self._ran(sc, name)
+
+    @staticmethod
+    def _ran(sc: SizeClass, name: str) -> str:
+        sc.arms[name].chosen += 1
+        sc.switched = name != sc.previous
+        sc.previous = name
+        return name
+
+
+def size_class(nbytes: int) -> int:
+    """Messages within a factor of two share their timings: the class is ⌈log2(nbytes)⌉."""
+    return max(0, int(nbytes) - 1).bit_length()

@@ -1,0 +1,147 @@
+"""auto's run-time choice (hpctrain.comm.tuning, plan.tuning_candidates): pure, no MPI.
+
+The tuner is driven by a simulated machine whose algorithms' times change mid-run, as the
+dev machine's do when the host moves its vCPUs.
+"""
+import math
+
+import pytest
+
+from hpctrain.comm import plan, tuning
+
+ONE_NODE = plan.topology_from_keys(["a", "a"])
+TWO_NODES = plan.topology_from_keys(["a", "b"])
+SMALL = 256 << 10
+
+
+def drive(tuner, times, calls, key="k", candidates=("shm", "native"), switch_cost=0.0):
+    """Run ``calls`` tuned calls; ``times(i)`` gives each candidate's time at call i. The first
+    call after a change of algorithm costs ``switch_cost`` more. Returns the names run and the
+    total time."""
+    ran, total, previous = [], 0.0, None
+    for i in range(calls):
+        name = tuner.choose(key, candidates)
+        seconds = times(i)[name] + (switch_cost if previous not in (None, name) else 0.0)
+        tuner.record(key, name, seconds)
+        ran.append(name)
+        total += seconds
+        previous = name
+    return ran, total
+
+
+def test_tries_every_candidate_first_then_runs_the_faster():
+    tuner = tuning.Tuner()
+    ran, _ = drive(tuner, lambda i: {"shm": 2.0, "native": 1.0}, 200)
+    assert ran[:tuning.TRIAL_CALLS] == ["shm"] * tuning.TRIAL_CALLS
+    assert ran[tuning.TRIAL_CALLS:2 * tuning.TRIAL_CALLS] == ["native"] * tuning.TRIAL_CALLS
+    assert tuner.best("k") == "native"
+    assert ran[-50:].count("native") >= 47
+    assert tuner.estimates("k") == {"shm": 2.0, "native": 1.0}
+
+
+def test_exploring_costs_a_few_per_cent_and_less_the_worse_the_loser():
+    close = tuning.Tuner()
+    _, t_close = drive(close, lambda i: {"shm": 1.2, "native": 1.0}, 3000)
+    far = tuning.Tuner()
+    ran_far, t_far = drive(far, lambda i: {"shm": 4.0, "native": 1.0}, 3000)
+    assert t_close / 3000 < 1.0 * 1.03  # ≤ 3% above always running the best
+    assert t_far / 3000 < 1.0 * 1.04
+    assert ran_far.count("shm") < 3000 * 0.02
+    assert far.interval(1.0, 4.0) == tuning.EXPLORE_MAX
+    assert close.interval(1.0, 1.0) == close.interval(1.0, 0.5) == tuning.EXPLORE_EVERY
+    assert close.interval(1.0, 1.2) < close.interval(1.0, 2.0) < tuning.EXPLORE_MAX
+
+
+def test_follows_a_change_of_machine_state_both_ways():
+    fast = {"shm": 0.8, "native": 1.0}
+    slow = {"shm": 3.5, "native": 1.0}
+
+    def times(i):
+        return slow if 1000 <= i < 3000 else fast
+
+    tuner = tuning.Tuner()
+    ran, _ = drive(tuner, times, 5000)
+    assert ran[900:1000].count("shm") > 90  # fast state: the piped path
+    assert ran[1010:1020].count("native") >= 8  # slowed incumbent abandoned within ~10 calls
+    assert ran[1100:3000].count("native") > 1850
+    # back to fast: the next trial of shm (at most EXPLORE_MAX calls later) wins it back
+    after = ran[3000 + tuning.EXPLORE_MAX + 20:]
+    assert after.count("shm") > 0.9 * len(after)
+
+
+def test_the_first_call_after_a_switch_is_not_believed():
+    # a challenger whose first call pays a large switching cost is still judged on its speed
+    tuner = tuning.Tuner()
+    ran, _ = drive(tuner, lambda i: {"shm": 0.8, "native": 1.0}, 400, switch_cost=5.0)
+    assert tuner.best("k") == "shm"
+    assert math.isclose(tuner.estimates("k")["shm"], 0.8)
+    assert ran[-100:].count("shm") > 90
+
+
+def test_three_candidates_all_get_trials():
+    tuner = tuning.Tuner()
+    cands = ("ring", "shm", "native")
+    ran, _ = drive(tuner, lambda i: {"ring": 1.0, "shm": 0.9, "native": 1.1}, 2000, candidates=cands)
+    assert tuner.best("k") == "shm"
+    assert ran.count("ring") > tuning.TRIAL_CALLS and ran.count("native") > tuning.TRIAL_CALLS
+    assert ran.count("shm") > 0.8 * 2000
+
+
+def test_keys_are_independent_and_a_new_candidate_set_restarts_the_class():
+    tuner = tuning.Tuner()
+    drive(tuner, lambda i: {"shm": 1.0, "native": 2.0}, 50, key="a")
+    drive(tuner, lambda i: {"shm": 2.0, "native": 1.0}, 50, key="b")
+    assert tuner.best("a") == "shm" and tuner.best("b") == "native"
+    drive(tuner, lambda i: {"ring": 1.0, "native": 2.0}, 20, key="a", candidates=("ring", "native"))
+    assert set(tuner.counts()["a"]) == {"ring", "native"}
+
+
+def test_counts_add_up_to_the_calls():
+    tuner = tuning.Tuner()
+    drive(tuner, lambda i: {"shm": 1.0, "native": 1.1}, 123)
+    assert sum(tuner.counts()["k"].values()) == 123
+
+
+@pytest.mark.parametrize("kwargs", [dict(explore_every=0), dict(explore_every=10, explore_max=5),
+                                    dict(trial_calls=1), dict(weight=0.0), dict(weight=1.5)])
+def test_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        tuning.Tuner(**kwargs)
+
+
+@pytest.mark.parametrize("nbytes, expected", [(1, 0), (2, 1), (1024, 10), (1025, 11), (1 << 20, 20)])
+def test_size_class_is_log2_rounded_up(nbytes, expected):
+    assert tuning.size_class(nbytes) == expected
+
+
+def test_enabled_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("HPCTRAIN_AUTOTUNE", "0")
+    assert not tuning.enabled()
+    monkeypatch.setenv("HPCTRAIN_AUTOTUNE", "1")
+    assert tuning.enabled()
+
+
+@pytest.mark.parametrize("nbytes, topo, small, pipes, expected", [
+    (1 << 20, ONE_NODE, SMALL, True, ("shm", "native")),
+    (16 << 20, ONE_NODE, SMALL, True, ("shm", "native")),
+    (32 << 20, ONE_NODE, SMALL, True, ("ring", "shm", "native")),
+    (64 << 20, ONE_NODE, SMALL, False, ("ring", "native")),
+    (1 << 20, ONE_NODE, SMALL, False, ()),  # slots too small to pipe: the fixed choice
+    (SMALL, ONE_NODE, SMALL, True, ()),  # the flag exchange, no choice to make
+    (1 << 20, ONE_NODE, 0, True, ()),  # no flags / a dtype the kernels lack
+    (1 << 20, TWO_NODES, SMALL, True, ()),  # several nodes: hierarchical, fixed
+    (1 << 20, plan.topology_from_keys(["a"]), SMALL, True, ()),
+])
+def test_tuning_candidates(nbytes, topo, small, pipes, expected):
+    assert plan.tuning_candidates(nbytes, topo, small, pipes) == expected
+
+
+def test_a_challenger_far_slower_on_its_first_call_is_dropped_at_once():
+    # the slow state of the dev machine: the piped path ~4× MPI_Allreduce at 16 MiB
+    tuner = tuning.Tuner()
+    ran, _ = drive(tuner, lambda i: {"shm": 4.0, "native": 1.0}, 2000)
+    trials = [i for i in range(1, len(ran)) if ran[i] == "shm" and ran[i - 1] != "shm"]
+    assert len(trials) >= 3
+    # after learning, each trial of the slow candidate is one call, not TRIAL_CALLS
+    assert all(ran[i + 1] == "native" for i in trials[1:])
+    assert ran.count("shm") <= tuning.TRIAL_CALLS + len(trials)
