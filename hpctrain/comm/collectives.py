@@ -49,7 +49,8 @@ def requested_algorithm(algorithm: str) -> str:
 def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto",
                      shared: bool = False, dtype: str = "float32") -> str:
     """The algorithm an all-reduce of ``nbytes`` of ``dtype`` would use on ``group``
-    (``shared``: the data lives in a ``shared_buffer``)."""
+    (``shared``: the data lives in a ``shared_buffer``) by the fixed thresholds; where
+    ``auto`` chooses at run time (``tuned_counts``), the candidate it tries first."""
     g = resolve(group)
     return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm), shared,
                                  _small_shm(g, str(dtype).replace("torch.", "")))

@@ -193,9 +193,11 @@ LARGE_RING_BYTES = 32 * 1024 * 1024
 # With the node's shared-memory flags, a private buffer larger than the flag exchange and
 # smaller than LARGE_RING_BYTES streams through the flag slots in cache-sized segments ("shm",
 # piped): the buffer read and written once, 1.1–2.3× MPI_Allreduce from 1 to 16 MiB at 2–4
-# ranks here. Not above: at 64 MiB it ran 1.5–1.75× on some runs and 0.72–0.82× on others (the
-# lockstep segments suffer most when the two vCPUs land far apart), where the ring stayed
-# 0.95–1.11× (docs/performance.md).
+# ranks on some days. But at 2 ranks the winner flips with where the host places the vCPUs:
+# the same 16 MiB piped call ran 1.1–1.3× MPI in one placement and 0.26× in the other, minutes
+# apart (docs/performance.md). So these fixed choices are only the fall-back
+# (HPCTRAIN_AUTOTUNE=0) and the first candidate tried: by default auto measures on one node
+# (tuning_candidates, hpctrain.comm.tuning).
 CROSS_NODE_SMALL_BYTES = 64 * 1024
 SHARED_SMALL_BYTES = 16 * 1024
 
