@@ -162,16 +162,17 @@ def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     return True
 
 
-def _tuned_allreduce_(g: Group, out: np.ndarray, op: str, dtype_name: str, code: int, candidates: Tuple[str, ...],
-                      header: Optional[bytes], what) -> None:
-    """All-reduce ``out`` in place with the algorithm the group's local rank 0 picks among
-    ``candidates`` (``tuning.Tuner``). One flag exchange carries both the agreement check
-    (``header``) and that choice (a sum in which only local rank 0 contributes), so every rank
-    runs the same algorithm; local rank 0 then times the call and reports it to its tuner.
-    ``what(algo)``: the call, described for a stall report."""
+def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, candidates: Tuple[str, ...],
+                      header: Optional[bytes], what, nbytes: Optional[int] = None) -> None:
+    """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
+    concatenation, ``nbytes`` in all) in place with the algorithm the group's local rank 0
+    picks among ``candidates`` (``tuning.Tuner``). One flag exchange carries both the
+    agreement check (``header``) and that choice (a sum in which only local rank 0
+    contributes), so every rank runs the same algorithm; local rank 0 then times the call and
+    reports it to its tuner. ``what(algo)``: the call, described for a stall report."""
     flags = g.node_flags
     dog = _world_state["watchdog"]
-    key = (tuning.size_class(out.nbytes), candidates)
+    key = (tuning.size_class(out.nbytes if nbytes is None else nbytes), candidates)
     deciding = flags.rank == 0
     choice = g.tuned_choice
     if deciding:
@@ -191,14 +192,18 @@ def _tuned_allreduce_(g: Group, out: np.ndarray, op: str, dtype_name: str, code:
                         "switch the agreement check on (HPCTRAIN_CHECK_COLLECTIVES=1) to see which rank differs")
     algo = candidates[picked - 1]
     start = time.perf_counter()
-    if algo == "shm":
+    if algo == "shm":  # takes a list of buffers as it is
         flags.allreduce_piped(out, code, op, g.size, None, dog, lambda: what(algo), g.describe_ranks, g)
-    elif algo == "ring":
-        algorithms.ring_(g.ring_comm, out, op, dtype_name, dog, lambda: what(algo),
-                         describe=lambda r: g.describe_ranks([r]))
     else:
-        with dog.watch(lambda: what(algo), _all_ranks(g)):
-            algorithms.native_(g.comm, out, op, dtype_name)
+        fused = np.concatenate(out) if isinstance(out, list) else out
+        if algo == "ring":
+            algorithms.ring_(g.ring_comm, fused, op, dtype_name, dog, lambda: what(algo),
+                             describe=lambda r: g.describe_ranks([r]))
+        else:
+            with dog.watch(lambda: what(algo), _all_ranks(g)):
+                algorithms.native_(g.comm, fused, op, dtype_name)
+        if fused is not out:
+            _scatter_back(fused, out)
     if deciding:
         g.tuner.record(key, algo, time.perf_counter() - start)
 
@@ -304,26 +309,37 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     code = shmsync.kernel_dtype_code(name)
     nbytes = total * (flats[0].array.itemsize if flats else 4)
     requested = requested_algorithm("auto")
-    if (g.small_shm and algorithms.pipes(g, nbytes, name) and op in _HEADER_OP
-            and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES)):
+    piped = g.small_shm and algorithms.pipes(g, nbytes, name) and op in _HEADER_OP
+    what = lambda algo: (  # noqa: E731 - built only for a stall report
+        f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, {algo}) [collective #{g.seq}] on {g.name}")
+    if piped and requested == "auto" and tuning_on():  # local rank 0 picks at run time, as for one array
+        g.seq += 1
+        header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "auto", 0).tolist(), 0)
+                  if guard.checks_enabled() else None)
+        candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
+        _tuned_allreduce_(g, [f.array for f in flats], op, name, code, candidates, header, what, nbytes)
+        return list(xs)
+    if piped and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES):
         g.seq += 1
         header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "shm", 0).tolist(), 0)
                   if guard.checks_enabled() else None)
-        g.node_flags.allreduce_piped(
-            [f.array for f in flats], code, op, g.size, header, _world_state["watchdog"],
-            lambda: f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, shm) "
-                    f"[collective #{g.seq}] on {g.name}",
-            g.describe_ranks, g)
+        g.node_flags.allreduce_piped([f.array for f in flats], code, op, g.size, header, _world_state["watchdog"],
+                                     lambda: what("shm"), g.describe_ranks, g)
         return list(xs)
     concat = (np.concatenate([f.array for f in flats]) if flats
               else np.empty(0, dtype=np.uint16 if name == "bfloat16" else name))
     fused = rebuild(Flat(concat, (total,), name, any(f.is_torch for f in flats)), concat)
     _allreduce(fused, op, "auto", g, inplace=True)
-    offset = 0
-    for f in flats:
-        np.copyto(f.array, concat[offset:offset + f.array.size])
-        offset += f.array.size
+    _scatter_back(concat, [f.array for f in flats])
     return list(xs)
+
+
+def _scatter_back(fused: np.ndarray, arrays: Sequence[np.ndarray]) -> None:
+    """Copy consecutive pieces of ``fused`` back into ``arrays``."""
+    offset = 0
+    for a in arrays:
+        np.copyto(a, fused[offset:offset + a.size].reshape(a.shape))
+        offset += a.size
 
 
 def grouped_allreduce_async(xs: Sequence[Any], op: str = "sum", group: Optional[Group] = None) -> asyncq.Handle:

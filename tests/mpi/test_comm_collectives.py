@@ -286,6 +286,9 @@ class CyclingTuner:
         return {}
 
 
+CALLS = 8
+
+
 @pytest.mark.parametrize("length", [300_000, 9_000_000])  # candidates (shm, native); ≥ 32 MiB (ring, shm, native)
 def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     g = comm.world()
@@ -294,15 +297,18 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     tuned = N > 1 and g.node_flags is not None and collectives.tuning_on()
     saved, g.tuner = g.tuner, CyclingTuner()
     try:
-        for call in range(6):
+        for call in range(CALLS):
             x = local_data(length, "float32", R + call)
             ref = reference(x, "sum")
-            if call % 3 == 0:
+            if call % 4 == 0:
                 out = comm.allreduce_(x.copy())  # the lean path
-            elif call % 3 == 1:
+            elif call % 4 == 1:
                 out = comm.allreduce(x)
-            else:
+            elif call % 4 == 2:
                 out = comm.allreduce_(torch.from_numpy(x.copy())).numpy()  # the general path
+            else:  # several buffers as one collective
+                out = x.copy()
+                comm.grouped_allreduce_([out[:1000], torch.from_numpy(out[1000:-7]), out[-7:]])
             np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-5, atol=1e-4, err_msg=f"call {call}")
             assert_same_on_every_rank(out)
         stub = g.tuner
@@ -310,7 +316,7 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
         g.tuner = saved
     if tuned and g.node_flags.rank == 0:
         expected = {"shm", "native"} if length * 4 < (32 << 20) else {"ring", "shm", "native"}
-        assert set(stub.ran) == expected and len(stub.ran) == 6
+        assert set(stub.ran) == expected and len(stub.ran) == CALLS
         assert [name for name, _ in stub.timings] == stub.ran and all(t > 0 for _, t in stub.timings)
     else:  # only local rank 0 decides; nothing tuned without flags or with HPCTRAIN_AUTOTUNE=0
         assert stub.ran == []
