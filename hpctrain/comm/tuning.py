@@ -29,7 +29,8 @@ from typing import Dict, Hashable, Sequence, Tuple
 # TRIAL_CALLS calls in a row.
 EXPLORE_EVERY = 32
 EXPLORE_MAX = 512
-TRIAL_CALLS = 3
+# Single calls of 1 MiB vary by ±20% here: a trial's estimate is the mean of its calls but the first.
+TRIAL_CALLS = 5
 # Calls until every candidate of a three-way choice has had its first trial.
 LEARNING_CALLS = 3 * TRIAL_CALLS + 1
 # A trial whose first call takes more than this × the best's estimate ends at once.
@@ -50,6 +51,7 @@ class Arm:
     chosen: int = 0  # calls that ran it
     last_trial: int = -1  # call index where its last trial began
     fresh: bool = True  # the next kept timing replaces the estimate (a new trial)
+    kept: int = 0  # timings averaged into the estimate in the current trial
 
 
 @dataclass
@@ -135,8 +137,11 @@ class Tuner:
                 arm.estimate, arm.fresh = seconds, False
             return
         if arm.fresh:
-            arm.estimate, arm.fresh = seconds, False
-        else:
+            arm.estimate, arm.fresh, arm.kept = seconds, False, 1
+        elif sc.trial_left or name == sc.trial:  # within a trial: the mean of its timings
+            arm.kept += 1
+            arm.estimate += (seconds - arm.estimate) / arm.kept
+        else:  # the running best: a moving average that follows changes of state
             arm.estimate += self.weight * (seconds - arm.estimate)
         if name == sc.best and not sc.trial_left:
             for other in sc.candidates:  # the running best got slower than another: switch now

@@ -61,7 +61,7 @@ def test_follows_a_change_of_machine_state_both_ways():
 
     tuner = tuning.Tuner()
     ran, _ = drive(tuner, times, 5000)
-    assert ran[900:1000].count("shm") > 90  # fast state: the piped path
+    assert ran[900:1000].count("shm") > 85  # fast state: the piped path (trials of native aside)
     assert ran[1010:1020].count("native") >= 8  # slowed incumbent abandoned within ~10 calls
     assert ran[1100:3000].count("native") > 1850
     # back to fast: the next trial of shm (at most EXPLORE_MAX calls later) wins it back
@@ -145,3 +145,14 @@ def test_a_challenger_far_slower_on_its_first_call_is_dropped_at_once():
     # after learning, each trial of the slow candidate is one call, not TRIAL_CALLS
     assert all(ran[i + 1] == "native" for i in trials[1:])
     assert ran.count("shm") <= tuning.TRIAL_CALLS + len(trials)
+
+
+def test_noisy_timings_still_favour_the_faster():
+    # single 1 MiB calls vary by ±20% on the dev machine; candidates 10% apart
+    import random
+
+    rng = random.Random(7)
+    tuner = tuning.Tuner()
+    ran, total = drive(tuner, lambda i: {"shm": 1.1 * rng.uniform(0.8, 1.2), "native": rng.uniform(0.8, 1.2)}, 3000)
+    assert ran[200:].count("native") > 0.8 * len(ran[200:])
+    assert total / 3000 < 1.05
