@@ -56,17 +56,6 @@ def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str 
                                  _small_shm(g, str(dtype).replace("torch.", "")))
 
 
-_TUNING = {"on": None}
-
-
-def tuning_on() -> bool:
-    """Whether ``auto`` chooses at run time where several algorithms qualify (HPCTRAIN_AUTOTUNE,
-    read once per process; see hpctrain.comm.tuning)."""
-    if _TUNING["on"] is None:
-        _TUNING["on"] = tuning.enabled()
-    return _TUNING["on"]
-
-
 def tuned_counts(nbytes: int, group: Optional[Group] = None) -> Dict[str, int]:
     """How many of this process's ``auto`` all-reduces of about ``nbytes`` (same size class) ran
     each algorithm, as decided by the group's local rank 0 (empty elsewhere, or when nothing
@@ -152,7 +141,7 @@ def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     if (code is None or not g.node_flags.pipes(nbytes) or g.shared_buffers
             or op not in _HEADER_OP or not x.flags.c_contiguous or not x.flags.writeable):
         return False
-    tuned = tuning_on()
+    tuned = g.autotune
     if not tuned and nbytes >= plan.LARGE_RING_BYTES:
         return False
     g.seq += 1
@@ -247,7 +236,7 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     dog = watchdog()
     src = flat.array
     tuned = (plan.tuning_candidates(src.nbytes, g.topology, small, algorithms.pipes(g, src.nbytes, flat.dtype_name))
-             if requested == "auto" and shared is None and tuning_on() else ())
+             if requested == "auto" and shared is None and g.autotune else ())
     if tuned:  # several algorithms qualify: local rank 0 picks at run time (tuning.py)
         g.seq += 1
         header = (shmsync.HEADER.pack(
@@ -319,7 +308,7 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     piped = g.small_shm and algorithms.pipes(g, nbytes, name) and op in _HEADER_OP
     what = lambda algo: (  # noqa: E731 - built only for a stall report
         f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, {algo}) [collective #{g.seq}] on {g.name}")
-    if piped and requested == "auto" and tuning_on():  # local rank 0 picks at run time, as for one array
+    if piped and requested == "auto" and g.autotune:  # local rank 0 picks at run time, as for one array
         g.seq += 1
         header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "auto", 0).tolist(), 0)
                   if guard.checks_enabled() else None)

@@ -69,8 +69,13 @@ class Group:
         self.small_shm = self.node_flags.small_bytes if self.node_flags and self.topology.single_node else 0
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
-        # auto's run-time choice (collectives._tuned_allreduce_): the tuner lives on local
-        # rank 0, which sends its pick through this one-element array
+        # auto's run-time choice (collectives._tuned_allreduce_): on when every rank of the node
+        # has it on (HPCTRAIN_AUTOTUNE), so that all take the same path; the tuner lives on
+        # local rank 0, which sends its pick through this one-element array
+        from . import tuning
+
+        self.autotune = (self.node_flags is not None
+                         and self.node_comm.allreduce(int(tuning.enabled()), op=MPI.MIN) == 1)
         self.tuner = None
         self.tuned_choice = np.zeros(1, dtype=np.int64)
         self._lock = threading.RLock()

@@ -292,9 +292,7 @@ CALLS = 8
 @pytest.mark.parametrize("length", [300_000, 9_000_000])  # candidates (shm, native); ≥ 32 MiB (ring, shm, native)
 def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     g = comm.world()
-    from hpctrain.comm import collectives
-
-    tuned = N > 1 and g.node_flags is not None and collectives.tuning_on()
+    tuned = g.autotune
     saved, g.tuner = g.tuner, CyclingTuner()
     try:
         for call in range(CALLS):
@@ -324,17 +322,39 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
 
 def test_tuner_learns_on_local_rank_0_only():
     g = comm.world()
-    from hpctrain.comm import collectives, tuning
+    from hpctrain.comm import tuning
 
     x = np.ones(300_000, dtype=np.float32)
     before = sum(comm.tuned_counts(x.nbytes).values())
     for _ in range(tuning.LEARNING_CALLS + 5):
         comm.allreduce_(x)
     counts = comm.tuned_counts(x.nbytes)
-    deciding = N > 1 and g.node_flags is not None and collectives.tuning_on() and g.node_flags.rank == 0
+    deciding = g.autotune and g.node_flags.rank == 0
     if deciding:
         assert set(counts) == {"shm", "native"} and all(counts.values())  # both tried
         assert sum(counts.values()) - before == tuning.LEARNING_CALLS + 5
     else:
         assert counts == {}
     np.testing.assert_array_equal(x, np.full(300_000, N ** (tuning.LEARNING_CALLS + 5), dtype=np.float32))
+
+
+def test_autotune_is_agreed_when_a_group_is_made():
+    """HPCTRAIN_AUTOTUNE off on one rank switches the run-time choice off for the whole node,
+    so that no rank waits in a decision exchange the others never enter."""
+    import os
+
+    g = comm.world()
+    assert g.autotune == (g.node_flags is not None and os.environ.get("HPCTRAIN_AUTOTUNE", "1") != "0")
+    saved = os.environ.get("HPCTRAIN_AUTOTUNE")
+    os.environ["HPCTRAIN_AUTOTUNE"] = "0" if R == N - 1 else "1"
+    try:
+        sub = comm.new_group(list(range(N)))
+    finally:
+        if saved is None:
+            del os.environ["HPCTRAIN_AUTOTUNE"]
+        else:
+            os.environ["HPCTRAIN_AUTOTUNE"] = saved
+    assert sub.autotune is False
+    x = np.full(300_000, R + 1.0, dtype=np.float32)
+    comm.allreduce_(x, group=sub)  # the fixed choice, on every rank
+    np.testing.assert_array_equal(x, np.full(300_000, sum(range(1, N + 1)), dtype=np.float32))
