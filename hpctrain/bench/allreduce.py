@@ -11,6 +11,9 @@ The reference ("best MPI") is, per size, the faster of the MPI library's in-plac
 out-of-place MPI_Allreduce (mpi, mpi-oop).
 busbw = algbw · 2(N−1)/N (the nccl-tests definition). Horovod runs in its own phase at the
 end, since its background thread slows every other MPI call while it lives.
+Where ``auto`` chooses at run time (one node, above the flag exchange; HPCTRAIN_AUTOTUNE),
+its learning calls run before the timings and the table shows the share of timed calls each
+candidate got, e.g. "auto(shm 87%+native 13%)".
 
   hpctrain launch -n 2 -- hpctrain bench allreduce --sizes 1KiB,64KiB,1MiB,16MiB,64MiB
 """
