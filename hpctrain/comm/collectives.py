@@ -171,6 +171,9 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, candid
     key = (tuning.size_class(out.nbytes if nbytes is None else nbytes), candidates)
     deciding = flags.rank == 0
     choice = g.tuned_choice
+    # timed from before the exchange: its wait holds the skew the previous call (the same
+    # algorithm, unless it just switched, which the tuner does not believe) left between ranks
+    start = time.perf_counter()
     if deciding:
         if g.tuner is None:
             g.tuner = tuning.Tuner()
@@ -187,7 +190,6 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, candid
                         "HINT: every rank must call the same collective with the same size and dtype; "
                         "switch the agreement check on (HPCTRAIN_CHECK_COLLECTIVES=1) to see which rank differs")
     algo = candidates[picked - 1]
-    start = time.perf_counter()
     if algo == "shm":  # takes a list of buffers as it is
         flags.allreduce_piped(out, code, op, g.size, None, dog, lambda: what(algo), g.describe_ranks, g)
     else:
