@@ -191,7 +191,7 @@ def measure(runners, sizes, dtype, args, records):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for algo in order:
                 buf.fill(1)
-                before = comm.tuned_counts(nbytes)
+                before = comm.tuned_counts(nbytes) if algo.startswith("auto") else {}
                 times[algo].append(timed(runners[algo](buf), iters, args.warmup))
                 if algo.startswith("auto"):
                     for name, calls in comm.tuned_counts(nbytes).items():

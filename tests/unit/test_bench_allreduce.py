@@ -15,3 +15,12 @@ def test_busbw_factor_is_the_nccl_tests_definition():
     assert busbw_factor(1) == 1.0
     assert busbw_factor(2) == 1.0
     assert busbw_factor(4) == 1.5
+
+
+def test_chosen_label_shows_the_fixed_choice_or_the_run_time_shares():
+    from hpctrain.bench.allreduce import chosen_label
+
+    assert chosen_label("shm", {}) == "shm"
+    assert chosen_label("shm", {"shm": 0, "native": 0}) == "shm"
+    assert chosen_label("shm", {"shm": 13, "native": 87}) == "native 87%+shm 13%"
+    assert chosen_label("ring", {"ring": 3, "shm": 0, "native": 1}) == "ring 75%+native 25%"
