@@ -141,33 +141,34 @@ def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     if (code is None or not g.node_flags.pipes(nbytes) or g.shared_buffers
             or op not in _HEADER_OP or not x.flags.c_contiguous or not x.flags.writeable):
         return False
-    tuned = g.autotune
-    if not tuned and nbytes >= plan.LARGE_RING_BYTES:
+    if not g.autotune and nbytes >= plan.LARGE_RING_BYTES:
         return False
-    g.seq += 1
-    header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _AUTO if tuned else _SHM, 0, 0)
-              if guard.checks_enabled() else None)
     what = lambda algo: (  # noqa: E731 - built only for a stall report
         f"allreduce({op}, {x.dtype}, {x.size} elements, {algo}) [collective #{g.seq}] on {g.name}")
-    if tuned:
+    if g.autotune:
         candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
-        _tuned_allreduce_(g, x, op, _FAST_DTYPE_NAMES[x.dtype], code, candidates, header, what)
+        _tuned_allreduce_(g, x, op, _FAST_DTYPE_NAMES[x.dtype], code, x.size, candidates, what)
         return True
+    g.seq += 1
+    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0) if _CHECKS["on"] else None
     g.node_flags.allreduce_piped(x, code, op, g.size, header, _world_state["watchdog"], lambda: what("shm"),
                                  g.describe_ranks, g)
     return True
 
 
-def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, candidates: Tuple[str, ...],
-                      header: Optional[bytes], what, nbytes: Optional[int] = None) -> None:
+def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count: int, candidates: Tuple[str, ...],
+                      what, nbytes: Optional[int] = None) -> None:
     """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
-    concatenation, ``nbytes`` in all) in place with the algorithm the group's local rank 0
-    picks among ``candidates`` (``tuning.Tuner``). One flag exchange carries both the
-    agreement check (``header``) and that choice (a sum in which only local rank 0
-    contributes), so every rank runs the same algorithm; local rank 0 then times the call and
-    reports it to its tuner. ``what(algo)``: the call, described for a stall report."""
+    concatenation: ``count`` elements, ``nbytes`` in all) in place with the algorithm the
+    group's local rank 0 picks among ``candidates`` (``tuning.Tuner``). One flag exchange
+    carries both the agreement check (the same header on every path that reaches here) and
+    that choice (a sum in which only local rank 0 contributes), so every rank runs the same
+    algorithm; local rank 0 then times the call and reports it to its tuner. ``what(algo)``:
+    the call, described for a stall report."""
     flags = g.node_flags
     dog = _world_state["watchdog"]
+    g.seq += 1
+    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0) if _CHECKS["on"] else None
     key = (tuning.size_class(out.nbytes if nbytes is None else nbytes), candidates)
     deciding = flags.rank == 0
     choice = g.tuned_choice
@@ -240,12 +241,8 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     tuned = (plan.tuning_candidates(src.nbytes, g.topology, small, algorithms.pipes(g, src.nbytes, flat.dtype_name))
              if requested == "auto" and shared is None and g.autotune else ())
     if tuned:  # several algorithms qualify: local rank 0 picks at run time (tuning.py)
-        g.seq += 1
-        header = (shmsync.HEADER.pack(
-            *guard.make_header(g.seq, "allreduce", op, flat.dtype_name, src.size, "auto", 0).tolist(), 0)
-            if guard.checks_enabled() else None)
         out = src if inplace else src.copy()
-        _tuned_allreduce_(g, out, op, flat.dtype_name, shmsync.kernel_dtype_code(flat.dtype_name), tuned, header,
+        _tuned_allreduce_(g, out, op, flat.dtype_name, shmsync.kernel_dtype_code(flat.dtype_name), src.size, tuned,
                           lambda a: guard.describe_header(guard.make_header(
                               g.seq, "allreduce", op, flat.dtype_name, src.size, a, 0)) + f" on {g.name}")
         return x if inplace else rebuild(flat, out)
@@ -311,11 +308,8 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     what = lambda algo: (  # noqa: E731 - built only for a stall report
         f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, {algo}) [collective #{g.seq}] on {g.name}")
     if piped and requested == "auto" and g.autotune:  # local rank 0 picks at run time, as for one array
-        g.seq += 1
-        header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "auto", 0).tolist(), 0)
-                  if guard.checks_enabled() else None)
         candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
-        _tuned_allreduce_(g, [f.array for f in flats], op, name, code, candidates, header, what, nbytes)
+        _tuned_allreduce_(g, [f.array for f in flats], op, name, code, total, candidates, what, nbytes)
         return list(xs)
     if piped and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES):
         g.seq += 1
