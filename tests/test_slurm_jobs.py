@@ -48,6 +48,22 @@ def logs(run_dir: Path, job: int) -> str:
     return text
 
 
+def controller_log(job: int, lines: int = 40) -> str:
+    """slurmctld's log lines about this job (readable as root on the test cluster)."""
+    path = Path("/var/log/slurm/slurmctld.log")
+    try:
+        hits = [l for l in path.read_text(errors="replace").splitlines() if re.search(rf"JobId={job}\b", l)]
+    except OSError as exc:
+        return f"[slurmctld log unreadable: {exc}]"
+    return "\n".join(hits[-lines:])
+
+
+def story(job: int, run_dir: Path, info: Dict[str, str]) -> str:
+    """Everything that tells what happened to a job, for an assertion message."""
+    fields = " ".join(f"{k}={info.get(k)}" for k in ("JobState", "Restarts", "ExitCode", "Reason"))
+    return f"job {job}: {fields}\n{logs(run_dir, job)}\n--- slurmctld:\n{controller_log(job)}"
+
+
 def finished(job: int, run_dir: Path) -> Dict[str, str]:
     info = wait_for_job(job, timeout=TIMEOUT)
     assert info, f"SLURM forgot job {job} (MinJobAge too short?)"
@@ -124,7 +140,7 @@ def test_preempt_checkpoint_requeue_resume(batch, tmp_path):
     for name, (job, d) in runs.items():
         info = finished(job, d)
         text = logs(d, job)
-        assert info["JobState"] == "COMPLETED", f"{name}: {info['JobState']}\n{text}"
+        assert info["JobState"] == "COMPLETED" and (d / "result.npy").exists(), f"{name}: {story(job, d, info)}"
         results[name] = np.load(d / "result.npy")
         lines = (d / "progress.log").read_text().splitlines()
         if name == "reference":

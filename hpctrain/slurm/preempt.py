@@ -28,10 +28,11 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from types import FrameType
 from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 
-__all__ = ["PreemptionGuard", "install", "any_rank", "requeue_job"]
+__all__ = ["PreemptionGuard", "install", "any_rank", "requeue_job", "requeue_taken"]
 
 log = logging.getLogger("hpctrain.slurm")
 
@@ -134,13 +135,23 @@ def requeue_job(
     env: Optional[Mapping[str, str]] = None,
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
     scontrol: str = "scontrol",
+    confirm_timeout: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> bool:
-    """``scontrol requeue $SLURM_JOB_ID``. True when SLURM accepted it.
+    """``scontrol requeue $SLURM_JOB_ID``, then wait until SLURM shows the requeue. True
+    when it does.
 
     SLURM then ends this run (every process of the job gets SIGTERM) and starts the job
     again with ``SLURM_RESTART_COUNT`` one higher: call it only after the checkpoint is
     safely written on every rank. Outside SLURM, or when SLURM refuses (a job submitted with
     ``--no-requeue``, or one already ending), it logs why and returns False.
+
+    An accepted requeue shows at once in ``scontrol show job`` (``Restarts`` one higher, the
+    job completing or pending). This process waits for that (at most ``confirm_timeout``
+    seconds) before returning, so the job never ends on its own before SLURM has taken it
+    back; if SLURM still shows this run as the current one after the wait, it logs an error
+    and returns False (the caller then exits non-zero instead of ending the job as
+    COMPLETED with no rerun coming).
     """
     env = os.environ if env is None else env
     job_id = env.get("SLURM_JOB_ID")  # an array task has its own job id too
@@ -159,5 +170,66 @@ def requeue_job(
             scontrol, job_id, done.returncode, (done.stderr or done.stdout or "").strip(),
         )
         return False
+    restarts = _restart_count(env)
+    if not _requeue_shows(job_id, restarts, run, scontrol, confirm_timeout, sleep):
+        return False
     log.info("preempt: job %s requeued; it will resume from the checkpoint", job_id)
     return True
+
+
+def _restart_count(env: Mapping[str, str]) -> int:
+    try:
+        return int(env.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
+
+
+def requeue_taken(info: Mapping[str, str], restarts_before: int) -> bool:
+    """Whether ``scontrol show job``'s record shows a requeue of the run that had
+    ``restarts_before`` restarts (pure)."""
+    try:
+        restarts = int(info.get("Restarts", ""))
+    except ValueError:
+        restarts = -1
+    state = info.get("JobState", "")
+    return restarts > restarts_before or state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+
+
+def _requeue_shows(
+    job_id: str,
+    restarts_before: int,
+    run: Callable[..., subprocess.CompletedProcess],
+    scontrol: str,
+    timeout: float,
+    sleep: Callable[[float], None],
+) -> bool:
+    """Poll ``scontrol show job`` until it shows the requeue; False only when it answered
+    and kept showing this run for ``timeout`` seconds."""
+    from .submit import parse_scontrol_show_job
+
+    last: Dict[str, str] = {}
+    waited, step = 0.0, 0.1
+    while True:
+        try:
+            done = run([scontrol, "show", "job", job_id], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            done = None
+        # SLURM's kill for the requeue may take scontrol itself down (SIGTERM): keep asking.
+        if done is not None and done.returncode == 0:
+            last = parse_scontrol_show_job(done.stdout)
+            if requeue_taken(last, restarts_before):
+                return True
+        if waited >= timeout:
+            break
+        sleep(step)
+        waited += step
+    if not last:
+        log.warning("preempt: `%s show job %s` did not answer; cannot confirm the requeue", scontrol, job_id)
+        return True
+    log.error(
+        "preempt: SLURM accepted `%s requeue %s` but after %.0f s still shows JobState=%s "
+        "Restarts=%s; the job may end without a rerun.\nHINT: resubmit it; the rerun "
+        "resumes from the checkpoint just written",
+        scontrol, job_id, timeout, last.get("JobState", "?"), last.get("Restarts", "?"),
+    )
+    return False

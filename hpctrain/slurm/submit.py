@@ -20,6 +20,7 @@ __all__ = [
     "job_state",
     "job_info",
     "wait_for_job",
+    "has_ended",
     "FINAL_STATES",
 ]
 
@@ -121,10 +122,15 @@ def job_state(job_id: int) -> Optional[str]:
 
 
 def wait_for_job(job_id: int, timeout: float = 300, poll: float = 0.5) -> Dict[str, str]:
-    """Poll until the job leaves the queue; return ``scontrol show job``'s final record.
+    """Poll until the job has ended; return ``scontrol show job``'s final record.
 
-    (``sbatch --wait`` polls at 2 s, then 10 s, then 32 s; this polls every ``poll`` s.)
-    Raises TimeoutError (naming the last state) when it is still queued after ``timeout``.
+    ``squeue`` lists only pending, running and completing jobs; when it stops listing this
+    one, ``scontrol show job`` must also show a final state (:data:`FINAL_STATES`) — a job
+    being requeued passes through states squeue hides, and a loaded slurmctld can make
+    squeue fail for a moment: both keep the wait going. Returns ``{}`` when SLURM has
+    forgotten the job (``MinJobAge``). (``sbatch --wait`` polls at 2 s, then 10 s, then 32 s;
+    this polls every ``poll`` s.) Raises TimeoutError (naming the last state) when the job
+    has not ended after ``timeout``.
     """
     deadline = time.monotonic() + timeout
     state: Optional[str] = None
@@ -132,8 +138,16 @@ def wait_for_job(job_id: int, timeout: float = 300, poll: float = 0.5) -> Dict[s
         done = subprocess.run(
             [_require("squeue"), "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=30
         )
-        state = done.stdout.strip()
-        if done.returncode != 0 or not state:
-            return job_info(job_id)
+        state = done.stdout.strip() if done.returncode == 0 else None
+        if not state:
+            info = job_info(job_id)
+            if has_ended(info):
+                return info
+            state = info.get("JobState")
         time.sleep(poll)
     raise TimeoutError(f"job {job_id} still {state or 'queued'} after {timeout:.0f} s")
+
+
+def has_ended(info: Mapping[str, str]) -> bool:
+    """True for ``scontrol show job``'s record of an ended job, or for ``{}`` (forgotten)."""
+    return not info or info.get("JobState", "") in FINAL_STATES

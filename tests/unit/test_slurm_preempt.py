@@ -38,23 +38,78 @@ def test_any_rank_single_process_is_local_flag():
     assert agree(True) is True and agree(False) is False
 
 
-def fake_run(rc, out="", err=""):
+def fake_run(rc, out="", err="", shows=()):
+    """scontrol stand-in: `requeue` answers rc/out/err; each `show job` answers the next of
+    ``shows`` (a dict of fields, or None for a failed call), the last one repeating."""
     calls = []
 
     def run(argv, **kw):
         calls.append(argv)
+        if argv[1] == "show":
+            i = sum(1 for c in calls if c[1] == "show") - 1
+            info = shows[min(i, len(shows) - 1)] if shows else None
+            if info is None:
+                return subprocess.CompletedProcess(argv, 1, "", "slurm_load_jobs error: Socket timed out")
+            return subprocess.CompletedProcess(argv, 0, " ".join(f"{k}={v}" for k, v in info.items()), "")
         return subprocess.CompletedProcess(argv, rc, out, err)
 
     return run, calls
 
 
-def test_requeue_rank0_calls_scontrol():
-    run, calls = fake_run(0)
+def no_sleep(waits):
+    return lambda s: waits.append(s)
+
+
+REQUEUED = {"JobId": "77", "JobState": "COMPLETING", "Restarts": "1"}
+STILL_RUNNING = {"JobId": "77", "JobState": "RUNNING", "Restarts": "0"}
+
+
+def test_requeue_rank0_calls_scontrol_and_sees_it_taken():
+    run, calls = fake_run(0, shows=[REQUEUED])
     guard = preempt.PreemptionGuard()
     assert guard.requeue(rank=0, env={"SLURM_JOB_ID": "77"}, run=run) is True
-    assert calls == [["scontrol", "requeue", "77"]]
+    assert calls == [["scontrol", "requeue", "77"], ["scontrol", "show", "job", "77"]]
     assert guard.requeue(rank=1, env={"SLURM_JOB_ID": "77"}, run=run) is False
-    assert len(calls) == 1  # other ranks never call it
+    assert len(calls) == 2  # other ranks never call it
+
+
+def test_requeue_waits_until_slurm_shows_it():
+    # scontrol killed by the requeue's SIGTERM, then still the old run, then requeued.
+    waits = []
+    run, calls = fake_run(0, shows=[None, STILL_RUNNING, {"JobState": "PENDING", "Restarts": "1"}])
+    assert preempt.requeue_job(env={"SLURM_JOB_ID": "77"}, run=run, sleep=no_sleep(waits)) is True
+    assert len(calls) == 4 and len(waits) == 2
+
+
+def test_requeue_accepted_but_not_taken_is_an_error(caplog):
+    waits = []
+    run, _ = fake_run(0, shows=[STILL_RUNNING])
+    with caplog.at_level("ERROR", logger="hpctrain.slurm"):
+        assert preempt.requeue_job(env={"SLURM_JOB_ID": "77"}, run=run, confirm_timeout=2.0,
+                                   sleep=no_sleep(waits)) is False
+    assert "still shows JobState=RUNNING Restarts=0" in caplog.text and "HINT" in caplog.text
+    assert abs(sum(waits) - 2.0) < 0.15  # waited the whole confirm_timeout, no longer
+
+
+def test_requeue_unconfirmable_when_scontrol_show_never_answers(caplog):
+    run, _ = fake_run(0, shows=[None])
+    with caplog.at_level("WARNING", logger="hpctrain.slurm"):
+        assert preempt.requeue_job(env={"SLURM_JOB_ID": "77"}, run=run, confirm_timeout=1.0,
+                                   sleep=no_sleep([])) is True
+    assert "cannot confirm the requeue" in caplog.text
+
+
+@pytest.mark.parametrize("info, before, taken", [
+    ({"JobState": "COMPLETING", "Restarts": "1"}, 0, True),
+    ({"JobState": "RUNNING", "Restarts": "2"}, 1, True),   # the rerun already started
+    ({"JobState": "REQUEUED", "Restarts": "0"}, 0, True),
+    ({"JobState": "RUNNING", "Restarts": "1"}, 1, False),
+    ({"JobState": "COMPLETED", "Restarts": "0"}, 0, False),
+    ({"JobState": "RUNNING", "Restarts": "x"}, 0, False),
+    ({}, 0, False),
+])
+def test_requeue_taken(info, before, taken):
+    assert preempt.requeue_taken(info, before) is taken
 
 
 def test_requeue_refused_or_outside_slurm(caplog):
