@@ -1,5 +1,6 @@
 """hpctrain.comm collectives under a real mpiexec, checked against mpi4py's Allreduce."""
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -71,6 +72,40 @@ def test_allreduce_ops(algo, op):
         if op == "avg" and dtype == "int32":
             ref = np.trunc(ref)
         np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-5, err_msg=f"{algo} {op} {dtype}")
+
+
+@pytest.mark.parametrize("ring", ["c", "python"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "uint8", "float64"])
+def test_ring_segments_around_chunk_boundaries(monkeypatch, ring, op, dtype):
+    """Tiny ring segments: chunks of one segment, of one element more or less than a segment
+    (uneven chunks make some ranks' steps one segment long and others' two: every rank
+    must still agree on the pipelined path), and of many segments in the scratch slots.
+    Both rings: the C one (hpctrain.comm.mpiring; float16 always takes the Python ring) and
+    the Python one."""
+    from hpctrain.comm import algorithms, mpiring
+
+    if ring == "c" and not mpiring.available():
+        if os.environ.get("HPCTRAIN_REQUIRE_SHMSYNC") == "1":
+            pytest.fail("the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
+        pytest.skip("the C ring (hpctrain.comm._mpiring) is not built here")
+    itemsize = np.dtype(dtype).itemsize
+    seg = 5
+    monkeypatch.setattr(algorithms, "RING_SEGMENT_BYTES", seg * itemsize)
+    monkeypatch.setattr(mpiring, "SEGMENT_BYTES", seg * itemsize)
+    monkeypatch.setattr(mpiring, "ENABLED", ring == "c")
+    lengths = sorted({N * seg - 1, N * seg, N * seg + 1, N * (seg + 1) - 1, N * (seg + 1), N * (seg + 1) + 1,
+                      N * seg * 3 + 2, N * seg * (algorithms.RING_SLOTS + 3) + N - 1, 997})
+    for length in lengths:
+        x = local_data(length, dtype, R)
+        out = comm.allreduce(x, op=op, algorithm="ring")
+        ref = reference(x, op)
+        if op == "avg" and np.dtype(dtype).kind in "iu":
+            ref = np.trunc(ref)
+        tol = {"float16": 5e-3 * N, "float32": 1e-5, "float64": 1e-12}.get(dtype, 0)
+        np.testing.assert_allclose(out.astype(np.float64), ref.astype(dtype).astype(np.float64),
+                                   rtol=tol, atol=tol * 4, err_msg=f"ring {op} {dtype} length {length}")
+        assert_same_on_every_rank(out)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

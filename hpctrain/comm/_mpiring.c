@@ -1,0 +1,301 @@
+/* The ring all-reduce over MPI point-to-point messages, in C.
+ *
+ * Reduce-scatter then all-gather on a ring (each rank sends 2(N-1)/N of the data), every
+ * chunk cut into segments that are received into a few cache-sized scratch slots and
+ * reduced as they arrive; in the last reduce-scatter step each finished segment of this
+ * rank's own chunk is sent on at once (the all-gather's first step overlaps the reduction).
+ * Each chunk is reduced by its owner only, in the same order everywhere, then copied to
+ * all: the result is bitwise identical on every rank.
+ *
+ * No MPI header is needed to build it: hpctrain.comm looks up MPI_Isend, MPI_Irecv and
+ * MPI_Wait in the MPI library mpi4py loaded and hands their addresses to bind(), and passes
+ * the communicator and MPI_BYTE as mpi4py's integer handles. Handles travel as uintptr_t:
+ * a pointer for Open MPI, an int for MPICH and its derivatives (passed in a register, the
+ * callee reads its low half). A request is kept in 8 zeroed bytes and waited on one by one
+ * (an int or a pointer fits; no array stride to know), with room for any MPI_Status.
+ * The GIL is released for the whole ring, so the stall watchdog's thread keeps running.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Codes follow hpctrain.comm.buffers.DTYPE_CODES and OPS (as in _shmsync.c). */
+enum { DT_BOOL = 0, DT_I8, DT_U8, DT_I16, DT_U16, DT_I32, DT_U32, DT_I64, DT_U64,
+       DT_F16, DT_BF16, DT_F32, DT_F64 };
+enum { OP_SUM = 0, OP_AVG, OP_MIN, OP_MAX, OP_PROD };
+
+typedef int (*isend_fn)(const void *, int, uintptr_t, int, int, uintptr_t, void *);
+typedef int (*irecv_fn)(void *, int, uintptr_t, int, int, uintptr_t, void *);
+typedef int (*wait_fn)(void *, void *);
+
+static isend_fn mpi_isend;
+static irecv_fn mpi_irecv;
+static wait_fn mpi_wait;
+
+typedef struct { uint64_t slot; } Req;           /* one MPI_Request, whatever its size */
+typedef struct { uint64_t words[16]; } Status;   /* larger than any MPI_Status */
+
+#define MAX_SLOTS 16
+/* Tags: a message's segment number. Between two neighbours, messages with one tag are
+ * sent in the order the receiver posts for them (every reduce-scatter step, then the
+ * all-gather's), and MPI does not let messages of one sender and tag overtake each other:
+ * so they match, and the tags stay far below the 32767 every MPI allows. */
+
+static int itemsize_of(int dtype) {
+    switch (dtype) {
+    case DT_I8: case DT_U8: return 1;
+    case DT_I16: case DT_U16: return 2;
+    case DT_I32: case DT_U32: case DT_F32: return 4;
+    case DT_I64: case DT_U64: case DT_F64: return 8;
+    default: return 0;
+    }
+}
+
+#define COMBINE_LOOP(T, EXPR)                                                  \
+    do {                                                                       \
+        T *restrict o = (T *)acc;                                              \
+        const T *restrict s = (const T *)in;                                   \
+        for (Py_ssize_t i = 0; i < n; i++) { T a = o[i], b = s[i]; o[i] = (EXPR); } \
+    } while (0)
+
+#define COMBINE_TYPE(T)                                                        \
+    do {                                                                       \
+        switch (op) {                                                          \
+        case OP_SUM: case OP_AVG: COMBINE_LOOP(T, a + b); break;               \
+        case OP_PROD: COMBINE_LOOP(T, a * b); break;                           \
+        case OP_MIN: COMBINE_LOOP(T, b < a ? b : a); break;                    \
+        case OP_MAX: COMBINE_LOOP(T, b > a ? b : a); break;                    \
+        }                                                                      \
+    } while (0)
+
+/* acc[i] = acc[i] op in[i], n elements: the left neighbour's partial result is the right
+ * operand, as in the Python ring (reduce_into). */
+static void combine(void *acc, const void *in, Py_ssize_t n, int dtype, int op) {
+    switch (dtype) {
+    case DT_I8: COMBINE_TYPE(int8_t); break;
+    case DT_U8: COMBINE_TYPE(uint8_t); break;
+    case DT_I16: COMBINE_TYPE(int16_t); break;
+    case DT_U16: COMBINE_TYPE(uint16_t); break;
+    case DT_I32: COMBINE_TYPE(int32_t); break;
+    case DT_U32: COMBINE_TYPE(uint32_t); break;
+    case DT_I64: COMBINE_TYPE(int64_t); break;
+    case DT_U64: COMBINE_TYPE(uint64_t); break;
+    case DT_F32: COMBINE_TYPE(float); break;
+    case DT_F64: COMBINE_TYPE(double); break;
+    }
+}
+
+#define DIVIDE_TYPE(T)                                                         \
+    do {                                                                       \
+        T *o = (T *)acc;                                                       \
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = (T)(o[i] / (T)divisor);      \
+    } while (0)
+
+static void divide(void *acc, Py_ssize_t n, int dtype, long divisor) {
+    switch (dtype) {
+    case DT_I8: DIVIDE_TYPE(int8_t); break;
+    case DT_U8: DIVIDE_TYPE(uint8_t); break;
+    case DT_I16: DIVIDE_TYPE(int16_t); break;
+    case DT_U16: DIVIDE_TYPE(uint16_t); break;
+    case DT_I32: DIVIDE_TYPE(int32_t); break;
+    case DT_U32: DIVIDE_TYPE(uint32_t); break;
+    case DT_I64: DIVIDE_TYPE(int64_t); break;
+    case DT_U64: DIVIDE_TYPE(uint64_t); break;
+    case DT_F32: DIVIDE_TYPE(float); break;
+    case DT_F64: DIVIDE_TYPE(double); break;
+    }
+}
+
+typedef struct {
+    uintptr_t comm, byte;       /* MPI handles */
+    int rank, size, left, right, item, dtype, op;
+    long divisor;               /* 'avg': divide the owned chunk by this; else 0 */
+    char *buf, *scratch;
+    Py_ssize_t n, seg, slots;   /* elements; elements per segment; scratch slots */
+} Ring;
+
+/* Chunk c of the ring: the first n % size chunks get one element more (plan.chunk_bounds). */
+static void chunk(const Ring *r, int c, Py_ssize_t *a, Py_ssize_t *b) {
+    Py_ssize_t base = r->n / r->size, extra = r->n % r->size;
+    *a = c * base + (c < extra ? c : extra);
+    *b = *a + base + (c < extra ? 1 : 0);
+}
+
+static inline int mod(int x, int m) { return ((x % m) + m) % m; }
+
+static int isend(const Ring *r, Py_ssize_t a, Py_ssize_t b, int tag, Req *q) {
+    q->slot = 0;
+    return mpi_isend(r->buf + a * r->item, (int)((b - a) * r->item), r->byte, r->right, tag, r->comm, q);
+}
+
+static int irecv(const Ring *r, char *into, Py_ssize_t a, Py_ssize_t b, int tag, Req *q) {
+    q->slot = 0;
+    return mpi_irecv(into, (int)((b - a) * r->item), r->byte, r->left, tag, r->comm, q);
+}
+
+static int wait_all(Req *q, Py_ssize_t count) {
+    Status st;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int err = mpi_wait(&q[i], &st);
+        if (err) return err;
+    }
+    return 0;
+}
+
+#define CHECK(call) do { int err_ = (call); if (err_) return err_; } while (0)
+
+/* One reduce-scatter step: send chunk `sc` right while receiving chunk `rc` from the left
+ * into the scratch slots, reducing each segment as it arrives. With `forward`, every reduced
+ * segment (averaged first, when asked) goes on to the right at once; `fwd` keeps those
+ * requests for the caller. */
+static int reduce_step(const Ring *r, int sc, int rc, int forward, Req *sends, Req *recvs, Req *fwd) {
+    Py_ssize_t sa, sb, ra, rb;
+    chunk(r, sc, &sa, &sb);
+    chunk(r, rc, &ra, &rb);
+    Py_ssize_t seg = r->seg, ns = (sb - sa + seg - 1) / seg, nr = (rb - ra + seg - 1) / seg;
+    char *slot_at[MAX_SLOTS];
+    for (Py_ssize_t k = 0; k < r->slots; k++) slot_at[k] = r->scratch + k * seg * r->item;
+    for (Py_ssize_t k = 0; k < nr && k < r->slots; k++) {
+        Py_ssize_t a = ra + k * seg, b = a + seg < rb ? a + seg : rb;
+        CHECK(irecv(r, slot_at[k % r->slots], a, b, (int)k, &recvs[k % r->slots]));
+    }
+    for (Py_ssize_t k = 0; k < ns; k++) {
+        Py_ssize_t a = sa + k * seg, b = a + seg < sb ? a + seg : sb;
+        CHECK(isend(r, a, b, (int)k, &sends[k]));
+    }
+    for (Py_ssize_t k = 0; k < nr; k++) {
+        Py_ssize_t a = ra + k * seg, b = a + seg < rb ? a + seg : rb;
+        CHECK(wait_all(&recvs[k % r->slots], 1));
+        combine(r->buf + a * r->item, slot_at[k % r->slots], b - a, r->dtype, r->op);
+        Py_ssize_t next = k + r->slots;
+        if (next < nr) {
+            Py_ssize_t a2 = ra + next * seg, b2 = a2 + seg < rb ? a2 + seg : rb;
+            CHECK(irecv(r, slot_at[next % r->slots], a2, b2, (int)next, &recvs[next % r->slots]));
+        }
+        if (forward) {
+            if (r->divisor > 1) divide(r->buf + a * r->item, b - a, r->dtype, r->divisor);
+            CHECK(isend(r, a, b, (int)k, &fwd[k]));
+        }
+    }
+    return wait_all(sends, ns);
+}
+
+/* The whole ring. `reqs` has room for 2 * max segments per chunk + slots requests. */
+static int ring(const Ring *r, Req *reqs, Py_ssize_t max_segs) {
+    Req *sends = reqs, *fwd = reqs + max_segs, *recvs = reqs + 2 * max_segs;
+    int N = r->size, me = r->rank;
+    for (int s = 0; s < N - 1; s++)
+        CHECK(reduce_step(r, mod(me - s, N), mod(me - s - 1, N), s == N - 2, sends, recvs, fwd));
+    /* All-gather: step g receives chunk (me - g) from the left and, but for the last step,
+     * passes it on (one step's sends in flight while the next arrives). Step 0's sends
+     * left during the last reduce-scatter step (fwd). */
+    Req *pending = fwd;
+    Py_ssize_t npending, a0, b0;
+    chunk(r, mod(me + 1, N), &a0, &b0);
+    npending = (b0 - a0 + r->seg - 1) / r->seg;
+    for (int g = 0; g < N - 1; g++) {
+        Py_ssize_t ga, gb;
+        chunk(r, mod(me - g, N), &ga, &gb);
+        Py_ssize_t ng = (gb - ga + r->seg - 1) / r->seg;
+        int pass = g < N - 2;
+        Req *out = pending == fwd ? sends : fwd;   /* free: waited when it was `pending` */
+        for (Py_ssize_t k = 0; k < ng; k++) {
+            Py_ssize_t a = ga + k * r->seg, b = a + r->seg < gb ? a + r->seg : gb;
+            CHECK(irecv(r, r->buf + a * r->item, a, b, (int)k, &recvs[0]));
+            CHECK(wait_all(&recvs[0], 1));
+            if (pass) CHECK(isend(r, a, b, (int)k, &out[k]));
+        }
+        if (pass) {
+            CHECK(wait_all(pending, npending));
+            pending = out;
+            npending = ng;
+        }
+    }
+    return wait_all(pending, npending);
+}
+
+/* allreduce(comm, byte, rank, size, buffer, scratch, dtype, op, divisor, segment_bytes)
+ *   -> 0, or the MPI error code of the call that failed. */
+static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
+    unsigned long long comm, byte;
+    int rank, size, dtype, op;
+    long divisor;
+    Py_ssize_t seg_bytes;
+    Py_buffer buf, scratch;
+    if (!PyArg_ParseTuple(args, "KKiiw*w*iiln", &comm, &byte, &rank, &size, &buf, &scratch, &dtype, &op,
+                          &divisor, &seg_bytes))
+        return NULL;
+    PyObject *result = NULL;
+    int item = itemsize_of(dtype);
+    if (!mpi_isend || !mpi_irecv || !mpi_wait) {
+        PyErr_SetString(PyExc_RuntimeError, "_mpiring.allreduce: call bind() with the MPI functions first");
+    } else if (!item || op < OP_SUM || op > OP_PROD) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: unsupported dtype %d / op %d", dtype, op);
+    } else if (size < 1 || rank < 0 || rank >= size) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: rank %d of %d", rank, size);
+    } else if (buf.len % item || seg_bytes < item || seg_bytes > (1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: %zd bytes of %d-byte items, segments of %zd bytes",
+                     buf.len, item, seg_bytes);
+    } else {
+        Ring r = {(uintptr_t)comm, (uintptr_t)byte, rank, size, mod(rank - 1, size), mod(rank + 1, size),
+                  item, dtype, op, op == OP_AVG ? divisor : 0, buf.buf, scratch.buf,
+                  buf.len / item, seg_bytes / item, 0};
+        Py_ssize_t max_chunk = r.n / size + (r.n % size ? 1 : 0);
+        if (r.seg > max_chunk && max_chunk > 0) r.seg = max_chunk;
+        r.slots = r.seg ? scratch.len / (r.seg * item) : 0;
+        if (r.slots > MAX_SLOTS) r.slots = MAX_SLOTS;
+        Py_ssize_t max_segs = r.seg ? (max_chunk + r.seg - 1) / r.seg : 0;
+        if (size == 1 || r.n == 0) {
+            result = PyLong_FromLong(0);
+        } else if (r.slots < 1) {
+            PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: scratch of %zd bytes holds no %zd-byte segment",
+                         scratch.len, r.seg * item);
+        } else if (max_segs > 32767) {
+            PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: %zd segments per chunk (tags up to 32767): "
+                         "use larger segments", max_segs);
+        } else {
+            Req *reqs = PyMem_RawCalloc((size_t)(2 * max_segs + r.slots), sizeof(Req));
+            if (!reqs) {
+                PyErr_NoMemory();
+            } else {
+                int err;
+                Py_BEGIN_ALLOW_THREADS
+                err = ring(&r, reqs, max_segs);
+                Py_END_ALLOW_THREADS
+                PyMem_RawFree(reqs);
+                result = PyLong_FromLong(err);
+            }
+        }
+    }
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
+/* bind(isend_address, irecv_address, wait_address): the MPI library's functions. */
+static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
+    unsigned long long s, r, w;
+    if (!PyArg_ParseTuple(args, "KKK", &s, &r, &w)) return NULL;
+    if (!s || !r || !w) {
+        PyErr_SetString(PyExc_ValueError, "_mpiring.bind: null function address");
+        return NULL;
+    }
+    mpi_isend = (isend_fn)(uintptr_t)s;
+    mpi_irecv = (irecv_fn)(uintptr_t)r;
+    mpi_wait = (wait_fn)(uintptr_t)w;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"bind", bind, METH_VARARGS, "bind(isend_address, irecv_address, wait_address)"},
+    {"allreduce", allreduce, METH_VARARGS,
+     "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_mpiring", "Ring all-reduce over MPI point-to-point messages, in C.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__mpiring(void) { return PyModule_Create(&moduledef); }

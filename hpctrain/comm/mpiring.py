@@ -1,0 +1,100 @@
+"""The ring all-reduce in C (the extension ``_mpiring``), over the MPI library mpi4py uses.
+
+The C ring does what :func:`hpctrain.comm.algorithms.ring_` does in Python, without ~10 µs
+of Python per step and with the all-gather's first step overlapping the last reduction
+(docs/performance.md, sixth session). It needs no MPI headers at build time: ``bind`` looks
+up ``MPI_Isend``, ``MPI_Irecv`` and ``MPI_Wait`` in the MPI library that mpi4py loaded and
+hands their addresses to the extension, which calls them with mpi4py's integer handles.
+
+Every rank of a communicator must take the same path (the C and Python rings exchange
+different messages): :func:`usable` agrees on it once per communicator, with one MIN
+all-reduce the first time the ring runs on it. Where the extension is not built (no C
+compiler at install time), the MPI library lacks the symbols, or ``HPCTRAIN_RING_C=0``,
+the Python ring runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Dict, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .buffers import DTYPE_CODES, OPS
+
+try:
+    from . import _mpiring
+except ImportError:  # built with optional=True: no compiler, no extension
+    _mpiring = None
+
+log = logging.getLogger("hpctrain.comm")
+
+# Segments of the C ring, and how many are in flight into the scratch slots. Measured at
+# 2 ranks here (docs/performance.md): 512 KiB x 4 slots (2 MiB of scratch, in L2/L3) took the
+# 16 MiB ring from 0.9x to 1.3-1.5x MPI_Allreduce; 1 MiB segments 1.33x, 128 KiB 1.30x.
+SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(512 * 1024)))
+SLOTS = 4
+ENABLED = os.environ.get("HPCTRAIN_RING_C", "1") != "0"
+_KERNEL_DTYPES = frozenset(DTYPE_CODES[n] for n in (
+    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
+_OP_CODES = {op: i for i, op in enumerate(OPS)}
+_bound: Dict[str, bool] = {}
+_agreed: Dict[int, Tuple[object, bool]] = {}  # id(comm) -> (comm, usable); holds comm, so ids stay unique
+
+
+def _bind() -> bool:
+    """Hand the MPI functions to the extension (once). False when they cannot be found."""
+    if "ok" not in _bound:
+        ok = False
+        if _mpiring is not None:
+            try:
+                lib = ctypes.CDLL(MPI.__file__)  # already loaded; its lookups reach libmpi
+                address = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                           for name in ("MPI_Isend", "MPI_Irecv", "MPI_Wait")]
+                _mpiring.bind(*address)
+                ok = True
+            except (OSError, AttributeError, ValueError) as exc:
+                log.debug("C ring unavailable: cannot find the MPI functions (%s)", exc)
+        _bound["ok"] = ok
+    return _bound["ok"]
+
+
+def available() -> bool:
+    """This process can run the C ring (extension built, MPI functions found, not disabled)."""
+    return ENABLED and _mpiring is not None and _bind()
+
+
+def usable(comm) -> bool:
+    """Whether every rank of ``comm`` runs the C ring: agreed the first time it is asked for
+    ``comm`` (a collective, the ring's first call on it, inside its stall watch)."""
+    if not ENABLED:
+        return False
+    hit = _agreed.get(id(comm))
+    if hit is not None and hit[0] is comm:
+        return hit[1]
+    agreed = bool(comm.allreduce(int(available()), op=MPI.MIN))
+    _agreed[id(comm)] = (comm, agreed)
+    return agreed
+
+
+def kernel_dtype_code(dtype_name: str):
+    """The C kernels' code for ``dtype_name``, or None (float16/bfloat16/bool: Python ring)."""
+    code = DTYPE_CODES.get(dtype_name)
+    return code if code in _KERNEL_DTYPES else None
+
+
+def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, scratch: np.ndarray) -> None:
+    """Ring all-reduce of ``arr`` in place (C); ``scratch`` holds ``SLOTS`` segments."""
+    err = _mpiring.allreduce(comm.handle, MPI.BYTE.handle, comm.Get_rank(), comm.Get_size(), arr, scratch,
+                             dtype_code, _OP_CODES[op], divisor, SEGMENT_BYTES)
+    if err:
+        raise MPI.Exception(err)
+
+
+def scratch_elements(length: int, size: int, itemsize: int) -> int:
+    """Scratch the C ring needs for ``length`` elements over ``size`` ranks: ``SLOTS``
+    segments, each at most one chunk."""
+    chunk = -(-length // max(size, 1))
+    return SLOTS * max(1, min(SEGMENT_BYTES // itemsize, chunk))
