@@ -160,39 +160,37 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
                       what, nbytes: Optional[int] = None) -> None:
     """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
     concatenation: ``count`` elements, ``nbytes`` in all) in place with the algorithm the
-    group's local rank 0 picks among ``candidates`` (``tuning.Tuner``). One flag exchange
-    carries both the agreement check (the same header on every path that reaches here) and
-    that choice (a sum in which only local rank 0 contributes), so every rank runs the same
-    algorithm; local rank 0 then times the call and reports it to its tuner. ``what(algo)``:
+    group's local rank 0 picks among ``candidates`` (``tuning.Tuner``).
+
+    Local rank 0 decides for a run of calls of this size class (``Tuner.choose_run``) and
+    sends the choice and the run's length in one flag exchange that is also the agreement
+    check (a sum in which only local rank 0 contributes); every rank then runs the same
+    algorithm. Within a run the piped path needs no exchange: it carries the agreement
+    header on its first flag, and a rank that arrives early starts without waiting — an
+    exchange in front of each piped call would line the ranks up and cost ~9 µs of
+    pipelining at 1 MiB. So runs longer than one call are taken only for the piped path (or
+    with the agreement check off); local rank 0 times every call for its tuner. ``what(algo)``:
     the call, described for a stall report."""
     flags = g.node_flags
     dog = _world_state["watchdog"]
     g.seq += 1
-    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0) if _CHECKS["on"] else None
     key = (tuning.size_class(out.nbytes if nbytes is None else nbytes), candidates)
     deciding = flags.rank == 0
-    choice = g.tuned_choice
+    run = g.tuned_runs.get(key)
     # timed from before the exchange: its wait holds the skew the previous call (the same
     # algorithm, unless it just switched, which the tuner does not believe) left between ranks
     start = time.perf_counter()
-    if deciding:
-        if g.tuner is None:
-            g.tuner = tuning.Tuner()
-        choice[0] = 1 + candidates.index(g.tuner.choose(key, candidates))
+    if run is not None and run[1] > 0:  # inside a run (the piped path, or checks off): no exchange
+        run[1] -= 1
+        algo = candidates[run[0]]
+        header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0)
+                  if _CHECKS["on"] and algo == "shm" else None)
     else:
-        choice[0] = 0
-    status = flags.ctx.exchange(header, choice, _INT64, _SUM, dog.timeout)
-    if status:
-        flags.check(status, dog, lambda: what("auto") + " (agreement check)", g.describe_ranks, g)
-    picked = int(choice[0])
-    if not 1 <= picked <= len(candidates):
-        raise CommError(f"{what('auto')}: the ranks of this node disagree on the algorithms to choose from "
-                        f"(local rank 0 sent choice {picked} of {len(candidates)}).\n"
-                        "HINT: every rank must call the same collective with the same size and dtype; "
-                        "switch the agreement check on (HPCTRAIN_CHECK_COLLECTIVES=1) to see which rank differs")
-    algo = candidates[picked - 1]
+        header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0) if _CHECKS["on"] else None
+        algo = _tuned_choice(g, key, candidates, header, deciding, dog, what)
+        header = None  # checked in the exchange
     if algo == "shm":  # takes a list of buffers as it is
-        flags.allreduce_piped(out, code, op, g.size, None, dog, lambda: what(algo), g.describe_ranks, g)
+        flags.allreduce_piped(out, code, op, g.size, header, dog, lambda: what(algo), g.describe_ranks, g)
     else:
         fused = np.concatenate(out) if isinstance(out, list) else out
         if algo == "ring":
@@ -205,6 +203,42 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
             _scatter_back(fused, out)
     if deciding:
         g.tuner.record(key, algo, time.perf_counter() - start)
+
+
+# Longest run of calls local rank 0 commits to without an exchange (its reaction time to a
+# change of the machine's state, in calls of one size class).
+TUNED_RUN_CALLS = 16
+
+
+def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: bool, dog, what) -> str:
+    """The decision exchange: local rank 0's choice (and run length) to every rank, with the
+    agreement check. Sets ``g.tuned_runs[key]`` to [choice, further calls of the run]."""
+    flags = g.node_flags
+    choice = g.tuned_choice
+    if deciding:
+        if g.tuner is None:
+            g.tuner = tuning.Tuner()
+        name, calls = g.tuner.choose_run(key, candidates, TUNED_RUN_CALLS)
+        if not (name == "shm" or not _CHECKS["on"]):
+            calls = 1  # other algorithms check agreement in this exchange, every call
+        choice[0] = 1 + candidates.index(name) + _RUN_SHIFT * (min(max(calls, 1), TUNED_RUN_CALLS) - 1)
+    else:
+        choice[0] = 0
+    status = flags.ctx.exchange(header, choice, _INT64, _SUM, dog.timeout)
+    if status:
+        flags.check(status, dog, lambda: what("auto") + " (agreement check)", g.describe_ranks, g)
+    value = int(choice[0])
+    picked, further = value % _RUN_SHIFT, value // _RUN_SHIFT
+    if not 1 <= picked <= len(candidates) or further >= TUNED_RUN_CALLS:
+        raise CommError(f"{what('auto')}: the ranks of this node disagree on the algorithms to choose from "
+                        f"(local rank 0 sent choice {value} for {len(candidates)} candidates).\n"
+                        "HINT: every rank must call the same collective with the same size and dtype; "
+                        "switch the agreement check on (HPCTRAIN_CHECK_COLLECTIVES=1) to see which rank differs")
+    g.tuned_runs[key] = [picked - 1, further]
+    return candidates[picked - 1]
+
+
+_RUN_SHIFT = 64  # choice value = candidate number + _RUN_SHIFT × (calls of the run − 1)
 
 
 def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:

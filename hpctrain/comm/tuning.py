@@ -48,7 +48,7 @@ class Arm:
     """What is known of one candidate for one size class."""
 
     estimate: float = math.inf  # seconds per call
-    chosen: int = 0  # calls that ran it
+    chosen: int = 0  # calls that ran it (reported through ``record``)
     last_trial: int = -1  # call index where its last trial began
     fresh: bool = True  # the next kept timing replaces the estimate (a new trial)
     kept: int = 0  # timings averaged into the estimate in the current trial
@@ -126,11 +126,28 @@ class Tuner:
             return self._ran(sc, best)
         return self._start_trial(sc, challenger)
 
+    def choose_run(self, key: Hashable, candidates: Sequence[str], max_calls: int) -> Tuple[str, int]:
+        """The candidate for the next calls of class ``key``, and for how many calls (1 to
+        ``max_calls``) it stands whatever their timings: the rest of the best's interval
+        before the next trial (trials and first tries run call by call, so that a bad one
+        can end after its first call). The caller reports every call with ``record``. Lets
+        the caller send its choice to the other ranks once per run instead of every call."""
+        name = self.choose(key, candidates)
+        sc = self.classes[key]
+        if sc.trial_left or name == sc.trial or name != sc.best or max_calls <= 1:
+            return name, 1
+        calls = 1 + min(sc.countdown, max_calls - 1)
+        sc.countdown -= calls - 1
+        sc.calls += calls - 1
+        return name, calls
+
     def record(self, key: Hashable, name: str, seconds: float) -> None:
         """The call of class ``key`` just chosen, which ran ``name``, took ``seconds``."""
         sc = self.classes[key]
         arm = sc.arms[name]
+        arm.chosen += 1
         if sc.switched:
+            sc.switched = False  # only the first call after a switch (a run reports several)
             if sc.trial_left and sc.best and seconds > ABANDON_RATIO * sc.arms[sc.best].estimate:
                 # more than a switch can cost: end the trial here, with this as its estimate
                 sc.trial_left = 0
@@ -183,7 +200,6 @@ class Tuner:
 
     @staticmethod
     def _ran(sc: SizeClass, name: str) -> str:
-        sc.arms[name].chosen += 1
         sc.switched = name != sc.previous
         sc.previous = name
         return name

@@ -78,6 +78,7 @@ class Group:
                          and self.node_comm.allreduce(int(tuning.enabled()), op=MPI.MIN) == 1)
         self.tuner = None
         self.tuned_choice = np.zeros(1, dtype=np.int64)
+        self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:

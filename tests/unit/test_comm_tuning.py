@@ -156,3 +156,51 @@ def test_noisy_timings_still_favour_the_faster():
     ran, total = drive(tuner, lambda i: {"shm": 1.1 * rng.uniform(0.8, 1.2), "native": rng.uniform(0.8, 1.2)}, 3000)
     assert ran[200:].count("native") > 0.8 * len(ran[200:])
     assert total / 3000 < 1.05
+
+
+def test_choose_run_commits_to_the_best_between_trials_only():
+    t = tuning.Tuner(explore_every=32, explore_max=512, trial_calls=3)
+    key, cands = "k", ("shm", "native")
+    runs = []
+    for _ in range(200):
+        name, calls = t.choose_run(key, cands, 16)
+        runs.append((name, calls))
+        for _ in range(calls):
+            t.record(key, name, 1.0 if name == "shm" else 2.0)
+    sc = t.classes[key]
+    # first tries and trials call by call; the best in runs of up to 16
+    assert all(calls == 1 for name, calls in runs if name == "native")
+    assert max(calls for _, calls in runs) == 16
+    assert sum(calls for _, calls in runs) == sc.calls  # every call counted once
+    assert t.counts()[key]["shm"] + t.counts()[key]["native"] == sc.calls
+    assert t.best(key) == "shm" and t.estimates(key)["native"] == pytest.approx(2.0)
+
+
+def test_choose_run_of_one_call_is_choose():
+    a, b = tuning.Tuner(), tuning.Tuner()
+    seq_a, seq_b = [], []
+    for i in range(300):
+        na = a.choose("k", ("x", "y"))
+        nb, calls = b.choose_run("k", ("x", "y"), 1)
+        assert calls == 1
+        seq_a.append(na)
+        seq_b.append(nb)
+        t = 1.0 + (i % 7) * 0.01 + (0.5 if na == "y" else 0)
+        a.record("k", na, t)
+        b.record("k", nb, 1.0 + (i % 7) * 0.01 + (0.5 if nb == "y" else 0))
+    assert seq_a == seq_b
+
+
+def test_a_run_reports_its_first_call_as_the_switch_only():
+    """After a trial, the best's run: its first call pays for the switch (not believed), the
+    others are averaged in — a run must not leave every call marked as a switch."""
+    t = tuning.Tuner(explore_every=4, explore_max=4, trial_calls=2)
+    key, cands = "k", ("a", "b")
+    previous, runs = None, 0
+    for _ in range(40):
+        name, calls = t.choose_run(key, cands, 8)
+        runs += calls > 1
+        for _ in range(calls):
+            t.record(key, name, 5.0 if name != previous else (1.0 if name == "a" else 3.0))
+            previous = name
+    assert runs > 5 and t.estimates(key)["a"] == pytest.approx(1.0)
