@@ -181,9 +181,9 @@ static int reduce_step(const Ring *r, int sc, int rc, int forward, Req *sends, R
     return wait_all(sends, ns);
 }
 
-/* The whole ring. `reqs` has room for 2 * max segments per chunk + slots requests. */
+/* The whole ring. `reqs` has room for 3 * max segments per chunk + slots requests. */
 static int ring(const Ring *r, Req *reqs, Py_ssize_t max_segs) {
-    Req *sends = reqs, *fwd = reqs + max_segs, *recvs = reqs + 2 * max_segs;
+    Req *sends = reqs, *fwd = reqs + max_segs, *gathers = reqs + 2 * max_segs, *recvs = reqs + 3 * max_segs;
     int N = r->size, me = r->rank;
     for (int s = 0; s < N - 1; s++)
         CHECK(reduce_step(r, mod(me - s, N), mod(me - s - 1, N), s == N - 2, sends, recvs, fwd));
@@ -200,10 +200,15 @@ static int ring(const Ring *r, Req *reqs, Py_ssize_t max_segs) {
         Py_ssize_t ng = (gb - ga + r->seg - 1) / r->seg;
         int pass = g < N - 2;
         Req *out = pending == fwd ? sends : fwd;   /* free: waited when it was `pending` */
+        /* every segment's receive posted at once (over TCP a receive posted late costs a
+         * round trip per segment), then each passed on as it completes */
         for (Py_ssize_t k = 0; k < ng; k++) {
             Py_ssize_t a = ga + k * r->seg, b = a + r->seg < gb ? a + r->seg : gb;
-            CHECK(irecv(r, r->buf + a * r->item, a, b, (int)k, &recvs[0]));
-            CHECK(wait_all(&recvs[0], 1));
+            CHECK(irecv(r, r->buf + a * r->item, a, b, (int)k, &gathers[k]));
+        }
+        for (Py_ssize_t k = 0; k < ng; k++) {
+            Py_ssize_t a = ga + k * r->seg, b = a + r->seg < gb ? a + r->seg : gb;
+            CHECK(wait_all(&gathers[k], 1));
             if (pass) CHECK(isend(r, a, b, (int)k, &out[k]));
         }
         if (pass) {
@@ -255,7 +260,7 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
             PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: %zd segments per chunk (tags up to 32767): "
                          "use larger segments", max_segs);
         } else {
-            Req *reqs = PyMem_RawCalloc((size_t)(2 * max_segs + r.slots), sizeof(Req));
+            Req *reqs = PyMem_RawCalloc((size_t)(3 * max_segs + r.slots), sizeof(Req));
             if (!reqs) {
                 PyErr_NoMemory();
             } else {
