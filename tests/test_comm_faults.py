@@ -8,17 +8,34 @@ from mpirun import ROOT, python_argv, run_mpi
 SCRIPTS = ROOT / "tests" / "mpi_scripts"
 
 
-# the flag exchange; auto's run-time choice (its agreement exchange); the piped path
-@pytest.mark.parametrize("n,elements,autotune", [(2, 4, "1"), (3, 4, "1"), (2, 1_000_000, "1"), (2, 1_000_000, "0")])
-def test_stall_watchdog_names_missing_rank_and_aborts(n, elements, autotune):
+# the flag exchange; auto's run-time choice (its agreement exchange); the piped path; the C
+# ring and the Python ring (rank 0 waits for its left neighbour, rank 1)
+@pytest.mark.parametrize("n,elements,autotune,algorithm,ring_c", [
+    (2, 4, "1", "auto", "1"), (3, 4, "1", "auto", "1"), (2, 1_000_000, "1", "auto", "1"),
+    (2, 1_000_000, "0", "auto", "1"), (2, 1_000_000, "1", "ring", "1"), (2, 1_000_000, "1", "ring", "0")])
+def test_stall_watchdog_names_missing_rank_and_aborts(n, elements, autotune, algorithm, ring_c):
     t0 = time.monotonic()
-    result = run_mpi(n, python_argv(str(SCRIPTS / "stall.py"), str(elements)), timeout=60,
-                     env={"HPCTRAIN_STALL_TIMEOUT": "3", "HPCTRAIN_AUTOTUNE": autotune})
+    result = run_mpi(n, python_argv(str(SCRIPTS / "stall.py"), str(elements), algorithm), timeout=60,
+                     env={"HPCTRAIN_STALL_TIMEOUT": "3", "HPCTRAIN_AUTOTUNE": autotune, "HPCTRAIN_RING_C": ring_c,
+                          # the ring: no agreement check in front of it, so the wait is in the ring
+                          "HPCTRAIN_CHECK_COLLECTIVES": "0" if algorithm == "ring" else "1"})
     elapsed = time.monotonic() - t0
     assert result.returncode not in (0, -9), result.stdout
-    assert "STALL" in result.stdout and "Not arrived: ranks 1" in result.stdout, result.stdout
+    missing = "Not arrived: ranks 1 (left neighbour)" if algorithm == "ring" else "Not arrived: ranks 1"
+    assert "STALL" in result.stdout and missing in result.stdout, result.stdout
     assert "unreachable" not in result.stdout
     assert elapsed < 40, f"took {elapsed:.0f}s"
+
+
+@pytest.mark.parametrize("how", ["new_group", "split"])
+def test_group_creation_with_a_missing_rank_aborts(how):
+    t0 = time.monotonic()
+    result = run_mpi(2, python_argv(str(SCRIPTS / "stall_group.py"), how), timeout=60,
+                     env={"HPCTRAIN_STALL_TIMEOUT": "3"})
+    assert result.returncode not in (0, -9), result.stdout
+    assert "STALL" in result.stdout and f"{how}" in result.stdout and "in the same order" in result.stdout, result.stdout
+    assert "unreachable" not in result.stdout
+    assert time.monotonic() - t0 < 40
 
 
 @pytest.mark.parametrize("n,bad", [(2, 1), (3, 1), (3, 0)])

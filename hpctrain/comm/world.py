@@ -238,12 +238,20 @@ def new_group(ranks: Sequence[int]) -> Optional[Group]:
     if bad or len(set(ranks)) != len(ranks):
         raise ValueError(f"new_group: ranks must be distinct world ranks in [0, {w.size}); got {ranks}")
     MPI = _mpi()
-    mpi_group = w.comm.Get_group().Incl(ranks)
-    sub = w.comm.Create(mpi_group)  # collective over the world
-    mpi_group.Free()
-    if sub == MPI.COMM_NULL:
-        return None
-    return Group(sub, f"group{ranks}")
+    with _creating(f"new_group({ranks})", "every world rank must call new_group, in the same order"):
+        mpi_group = w.comm.Get_group().Incl(ranks)
+        sub = w.comm.Create(mpi_group)  # collective over the world
+        mpi_group.Free()
+        if sub == MPI.COMM_NULL:
+            return None
+        return Group(sub, f"group{ranks}")
+
+
+def _creating(what: str, rule: str):
+    """A group's creation is a chain of collectives (communicators, the node's shared window,
+    agreements): under the stall watchdog like any collective, so that a rank that never
+    calls it aborts the job with a report instead of hanging it."""
+    return watchdog().watch(what, lambda: f"some rank ({rule})")
 
 
 def split(color: int, key: Optional[int] = None, group: Optional[Group] = None) -> Group:
@@ -252,8 +260,9 @@ def split(color: int, key: Optional[int] = None, group: Optional[Group] = None) 
     g = resolve(group)
     if color < 0:
         raise ValueError(f"split: colour must be ≥ 0, got {color}")
-    sub = g.comm.Split(color=color, key=g.rank if key is None else key)
-    return Group(sub, f"{g.name}/color{color}")
+    with _creating(f"split(color={color}) of {g.name}", f"every rank of {g.name} must call split, in the same order"):
+        sub = g.comm.Split(color=color, key=g.rank if key is None else key)
+        return Group(sub, f"{g.name}/color{color}")
 
 
 # --------------------------------------------------------------------------- aborting
