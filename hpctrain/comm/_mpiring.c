@@ -20,10 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Codes follow hpctrain.comm.buffers.DTYPE_CODES and OPS (as in _shmsync.c). */
-enum { DT_BOOL = 0, DT_I8, DT_U8, DT_I16, DT_U16, DT_I32, DT_U32, DT_I64, DT_U64,
-       DT_F16, DT_BF16, DT_F32, DT_F64 };
-enum { OP_SUM = 0, OP_AVG, OP_MIN, OP_MAX, OP_PROD };
+#include "_kernels.h"
 
 typedef int (*isend_fn)(const void *, int, uintptr_t, int, int, uintptr_t, void *);
 typedef int (*irecv_fn)(void *, int, uintptr_t, int, int, uintptr_t, void *);
@@ -41,16 +38,6 @@ typedef struct { uint64_t words[16]; } Status;   /* larger than any MPI_Status *
  * sent in the order the receiver posts for them (every reduce-scatter step, then the
  * all-gather's), and MPI does not let messages of one sender and tag overtake each other:
  * so they match, and the tags stay far below the 32767 every MPI allows. */
-
-static int itemsize_of(int dtype) {
-    switch (dtype) {
-    case DT_I8: case DT_U8: return 1;
-    case DT_I16: case DT_U16: return 2;
-    case DT_I32: case DT_U32: case DT_F32: return 4;
-    case DT_I64: case DT_U64: case DT_F64: return 8;
-    default: return 0;
-    }
-}
 
 #define COMBINE_LOOP(T, EXPR)                                                  \
     do {                                                                       \
@@ -72,18 +59,7 @@ static int itemsize_of(int dtype) {
 /* acc[i] = acc[i] op in[i], n elements: the left neighbour's partial result is the right
  * operand, as in the Python ring (reduce_into). */
 static void combine(void *acc, const void *in, Py_ssize_t n, int dtype, int op) {
-    switch (dtype) {
-    case DT_I8: COMBINE_TYPE(int8_t); break;
-    case DT_U8: COMBINE_TYPE(uint8_t); break;
-    case DT_I16: COMBINE_TYPE(int16_t); break;
-    case DT_U16: COMBINE_TYPE(uint16_t); break;
-    case DT_I32: COMBINE_TYPE(int32_t); break;
-    case DT_U32: COMBINE_TYPE(uint32_t); break;
-    case DT_I64: COMBINE_TYPE(int64_t); break;
-    case DT_U64: COMBINE_TYPE(uint64_t); break;
-    case DT_F32: COMBINE_TYPE(float); break;
-    case DT_F64: COMBINE_TYPE(double); break;
-    }
+    FOR_KERNEL_DTYPE(dtype, COMBINE_TYPE)
 }
 
 #define DIVIDE_TYPE(T)                                                         \
@@ -93,18 +69,7 @@ static void combine(void *acc, const void *in, Py_ssize_t n, int dtype, int op) 
     } while (0)
 
 static void divide(void *acc, Py_ssize_t n, int dtype, long divisor) {
-    switch (dtype) {
-    case DT_I8: DIVIDE_TYPE(int8_t); break;
-    case DT_U8: DIVIDE_TYPE(uint8_t); break;
-    case DT_I16: DIVIDE_TYPE(int16_t); break;
-    case DT_U16: DIVIDE_TYPE(uint16_t); break;
-    case DT_I32: DIVIDE_TYPE(int32_t); break;
-    case DT_U32: DIVIDE_TYPE(uint32_t); break;
-    case DT_I64: DIVIDE_TYPE(int64_t); break;
-    case DT_U64: DIVIDE_TYPE(uint64_t); break;
-    case DT_F32: DIVIDE_TYPE(float); break;
-    case DT_F64: DIVIDE_TYPE(double); break;
-    }
+    FOR_KERNEL_DTYPE(dtype, DIVIDE_TYPE)
 }
 
 typedef struct {

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+#include "_kernels.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -36,11 +38,6 @@
 
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_MISMATCH = 2 };
 
-/* Codes follow hpctrain.comm.buffers.DTYPE_CODES. */
-enum { DT_BOOL = 0, DT_I8, DT_U8, DT_I16, DT_U16, DT_I32, DT_U32, DT_I64, DT_U64,
-       DT_F16, DT_BF16, DT_F32, DT_F64 };
-/* Codes follow hpctrain.comm.buffers.OPS. */
-enum { OP_SUM = 0, OP_AVG, OP_MIN, OP_MAX, OP_PROD };
 
 typedef struct {
     PyObject_HEAD
@@ -117,7 +114,7 @@ static int wait_all(Ctx *c, uint64_t seq, double timeout) {
         }                                                                      \
     } while (0)
 
-#define REDUCE_TYPE(T, IS_FLOAT)                                               \
+#define REDUCE_TYPE(T)                                                         \
     do {                                                                       \
         switch (op) {                                                          \
         case OP_SUM: case OP_AVG: REDUCE_LOOP(T, a + b); break;                \
@@ -134,30 +131,9 @@ static int wait_all(Ctx *c, uint64_t seq, double timeout) {
 
 /* out <- reduction of every rank's data slot of `seq`; n elements. -1: unsupported. */
 static int reduce_slots(Ctx *c, uint64_t seq, void *out, Py_ssize_t n, int dtype, int op) {
-    switch (dtype) {
-    case DT_I8: REDUCE_TYPE(int8_t, 0); break;
-    case DT_U8: REDUCE_TYPE(uint8_t, 0); break;
-    case DT_I16: REDUCE_TYPE(int16_t, 0); break;
-    case DT_U16: REDUCE_TYPE(uint16_t, 0); break;
-    case DT_I32: REDUCE_TYPE(int32_t, 0); break;
-    case DT_U32: REDUCE_TYPE(uint32_t, 0); break;
-    case DT_I64: REDUCE_TYPE(int64_t, 0); break;
-    case DT_U64: REDUCE_TYPE(uint64_t, 0); break;
-    case DT_F32: REDUCE_TYPE(float, 1); break;
-    case DT_F64: REDUCE_TYPE(double, 1); break;
-    default: return -1;
-    }
+    if (!itemsize_of(dtype)) return -1;
+    FOR_KERNEL_DTYPE(dtype, REDUCE_TYPE)
     return 0;
-}
-
-static int itemsize_of(int dtype) {
-    switch (dtype) {
-    case DT_I8: case DT_U8: return 1;
-    case DT_I16: case DT_U16: return 2;
-    case DT_I32: case DT_U32: case DT_F32: return 4;
-    case DT_I64: case DT_U64: case DT_F64: return 8;
-    default: return 0;
-    }
 }
 
 /* ------------------------------------------------------------------ zero-copy slice reduction
@@ -217,18 +193,7 @@ static void store_block(char *dst, const char *src, size_t bytes, int nontempora
 
 static void reduce_slices(char **dsts, int ndst, char **srcs, int nsrc, Py_ssize_t count, int dtype, int op,
                           long divisor, int nontemporal) {
-    switch (dtype) {
-    case DT_I8: SLICE_TYPE(int8_t); break;
-    case DT_U8: SLICE_TYPE(uint8_t); break;
-    case DT_I16: SLICE_TYPE(int16_t); break;
-    case DT_U16: SLICE_TYPE(uint16_t); break;
-    case DT_I32: SLICE_TYPE(int32_t); break;
-    case DT_U32: SLICE_TYPE(uint32_t); break;
-    case DT_I64: SLICE_TYPE(int64_t); break;
-    case DT_U64: SLICE_TYPE(uint64_t); break;
-    case DT_F32: SLICE_TYPE(float); break;
-    case DT_F64: SLICE_TYPE(double); break;
-    }
+    FOR_KERNEL_DTYPE(dtype, SLICE_TYPE)
 #if defined(__SSE2__)
     if (nontemporal) _mm_sfence();  /* streaming stores are weakly ordered: fence before any flag */
 #endif
