@@ -85,7 +85,7 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what,
     size = comm.Get_size()
     if size > 1 and arr.size:
         code = mpiring.kernel_dtype_code(dtype_name)
-        if code is not None and mpiring.ENABLED:
+        if code is not None:
             with dog.watch(suffixed(what, " (ring: which ring, C or Python)"), lambda: "a rank of this ring"):
                 use_c = mpiring.usable(comm)  # a collective, the first time on this communicator
             if use_c:

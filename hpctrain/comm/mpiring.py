@@ -36,7 +36,10 @@ log = logging.getLogger("hpctrain.comm")
 # 16 MiB ring from 0.9x to 1.3-1.5x MPI_Allreduce; 1 MiB segments 1.33x, 128 KiB 1.30x.
 SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(512 * 1024)))
 SLOTS = 4
-ENABLED = os.environ.get("HPCTRAIN_RING_C", "1") != "0"
+# HPCTRAIN_RING_C=0 on any rank keeps the whole communicator on the Python ring (it enters
+# the agreement); ENABLED is the same switch at run time, to be flipped on every rank alike.
+_ENV_ENABLED = os.environ.get("HPCTRAIN_RING_C", "1") != "0"
+ENABLED = _ENV_ENABLED
 _KERNEL_DTYPES = frozenset(DTYPE_CODES[n] for n in (
     "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
 _OP_CODES = {op: i for i, op in enumerate(OPS)}
@@ -63,20 +66,22 @@ def _bind() -> bool:
 
 def available() -> bool:
     """This process can run the C ring (extension built, MPI functions found, not disabled)."""
-    return ENABLED and _mpiring is not None and _bind()
+    return ENABLED and _can_run()
+
+
+def _can_run() -> bool:
+    return _ENV_ENABLED and _mpiring is not None and _bind()
 
 
 def usable(comm) -> bool:
-    """Whether every rank of ``comm`` runs the C ring: agreed the first time it is asked for
-    ``comm`` (a collective, the ring's first call on it, inside its stall watch)."""
-    if not ENABLED:
-        return False
+    """Whether every rank of ``comm`` runs the C ring. Every rank of ``comm`` must ask (the
+    ring does, for every dtype with kernels): the first time for ``comm`` it is a collective,
+    a MIN all-reduce of what each rank can run, so that ranks where the extension is missing
+    or HPCTRAIN_RING_C=0 keep all on the Python ring."""
     hit = _agreed.get(id(comm))
-    if hit is not None and hit[0] is comm:
-        return hit[1]
-    agreed = bool(comm.allreduce(int(available()), op=MPI.MIN))
-    _agreed[id(comm)] = (comm, agreed)
-    return agreed
+    if hit is None or hit[0] is not comm:
+        hit = _agreed[id(comm)] = (comm, bool(comm.allreduce(int(_can_run()), op=MPI.MIN)))
+    return ENABLED and hit[1]
 
 
 def kernel_dtype_code(dtype_name: str):
