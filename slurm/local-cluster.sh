@@ -45,7 +45,16 @@ need_root() {
 
 have_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null &&
-    command -v munged >/dev/null && ldconfig -p 2>/dev/null | grep -q 'libpmix\.so '
+    command -v munged >/dev/null && has_library 'libpmix\.so '
+}
+
+# Whether ldconfig knows a library. Not `ldconfig -p | grep -q`: grep -q exits at the first
+# match, ldconfig then dies of SIGPIPE while still writing, and under pipefail the check
+# fails now and then although the library is there.
+has_library() {
+  local libs
+  libs=$(ldconfig -p 2>/dev/null) || return 1
+  grep -q "$1" <<<"$libs"
 }
 
 install_packages() {

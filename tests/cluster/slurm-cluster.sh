@@ -77,7 +77,8 @@ missing_reason() {
   for tool in slurmctld slurmd sbatch srun sinfo munged munge unmunge; do
     command -v "$tool" >/dev/null 2>&1 || { echo "'$tool' not found (Debian: slurmctld slurmd slurm-client munge libpmix-dev; slurm/local-cluster.sh start installs them)"; return; }
   done
-  ldconfig -p 2>/dev/null | grep -q 'libpmix\.so ' || echo "libpmix.so not found (Debian: libpmix-dev); srun --mpi=pmix needs it"
+  # grep reads all of ldconfig's output: with -q it could exit first and ldconfig die of SIGPIPE
+  ldconfig -p 2>/dev/null | grep 'libpmix\.so ' >/dev/null || echo "libpmix.so not found (Debian: libpmix-dev); srun --mpi=pmix needs it"
 }
 
 node_count() { [ -f "$STATE/nodes" ] && wc -l <"$STATE/nodes" || echo 0; }
