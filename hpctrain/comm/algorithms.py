@@ -85,15 +85,16 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what,
     size = comm.Get_size()
     if size > 1 and arr.size:
         code = mpiring.kernel_dtype_code(dtype_name)
-        if code is not None:
+        use_c = mpiring.known(comm) if code is not None else False
+        if use_c is None:  # the first ring on this communicator: a collective agreement
             with dog.watch(suffixed(what, " (ring: which ring, C or Python)"), lambda: "a rank of this ring"):
-                use_c = mpiring.usable(comm)  # a collective, the first time on this communicator
-            if use_c:
-                scratch = _scratch(comm, mpiring.scratch_elements(arr.size, size, arr.itemsize), arr.dtype)
-                left_rank = (comm.Get_rank() - 1) % size
-                with dog.watch(suffixed(what, " (ring)"), lambda: f"{describe(left_rank)} (left neighbour)"):
-                    mpiring.allreduce_(comm, arr, code, op, average_over or size, scratch)
-                return
+                use_c = mpiring.usable(comm)
+        if use_c:
+            scratch = _scratch(comm, mpiring.scratch_elements(arr.size, size, arr.itemsize), arr.dtype)
+            left_rank = (comm.Get_rank() - 1) % size
+            with dog.watch(suffixed(what, " (ring)"), lambda: f"{describe(left_rank)} (left neighbour)"):
+                mpiring.allreduce_(comm, arr, code, op, average_over or size, scratch)
+            return
         seg = max(1, RING_SEGMENT_BYTES // arr.itemsize)
         sched = plan.ring_schedule(arr.size, size, comm.Get_rank(), seg)
         left, right = sched.left, sched.right

@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .buffers import DTYPE_CODES, OPS
+from .errors import CommError
 
 try:
     from . import _mpiring
@@ -73,6 +74,12 @@ def _can_run() -> bool:
     return _ENV_ENABLED and _mpiring is not None and _bind()
 
 
+def known(comm):
+    """``usable(comm)`` when the ranks of ``comm`` have agreed already, else None (no MPI)."""
+    hit = _agreed.get(id(comm))
+    return ENABLED and hit[1] if hit is not None and hit[0] is comm else None
+
+
 def usable(comm) -> bool:
     """Whether every rank of ``comm`` runs the C ring. Every rank of ``comm`` must ask (the
     ring does, for every dtype with kernels): the first time for ``comm`` it is a collective,
@@ -95,7 +102,8 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
     err = _mpiring.allreduce(comm.handle, MPI.BYTE.handle, comm.Get_rank(), comm.Get_size(), arr, scratch,
                              dtype_code, _OP_CODES[op], divisor, SEGMENT_BYTES)
     if err:
-        raise MPI.Exception(err)
+        raise CommError(f"the C ring all-reduce failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
+                        "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")
 
 
 def scratch_elements(length: int, size: int, itemsize: int) -> int:

@@ -68,3 +68,20 @@ def test_scratch_holds_the_slots_of_one_chunk_at_most():
     assert mpiring.scratch_elements(10 * seg, 2, 4) == mpiring.SLOTS * seg
     assert mpiring.scratch_elements(0, 2, 4) == mpiring.SLOTS
     assert mpiring.kernel_dtype_code("float16") is None and mpiring.kernel_dtype_code("int64") is not None
+
+
+def test_known_after_the_agreement_only():
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        assert mpiring.known(comm) is None  # not agreed yet: the ring must ask (a collective)
+        assert mpiring.usable(comm) is True and mpiring.known(comm) is True
+    finally:
+        comm.Free()
+
+
+def test_an_mpi_error_names_the_way_out(monkeypatch):
+    monkeypatch.setattr(_mpiring, "allreduce", lambda *args: MPI.ERR_TRUNCATE)
+    from hpctrain.comm.errors import CommError
+
+    with pytest.raises(CommError, match="HPCTRAIN_RING_C=0"):
+        mpiring.allreduce_(MPI.COMM_SELF, np.zeros(4, np.float32), F32, "sum", 1, np.empty(64, np.uint8))
