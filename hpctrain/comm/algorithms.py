@@ -104,7 +104,7 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what,
         finish = (lambda part: finish_average(part, divisor, dtype_name)) if op == "avg" else None
         sendrecv = comm.Sendrecv
         # Every rank must agree on whether the all-gather's first step was started early
-        # (its messages carry other tags): decided by the largest chunk, the same everywhere.
+        # (then it only receives): decided by the largest chunk, the same everywhere.
         fused = sched.max_chunk > seg
         forwarded = None
         last = len(sched.reduce_scatter) - 1

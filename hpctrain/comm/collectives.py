@@ -180,13 +180,11 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
     # timed from before the exchange: its wait holds the skew the previous call (the same
     # algorithm, unless it just switched, which the tuner does not believe) left between ranks
     start = time.perf_counter()
-    if run is not None and run[1] > 0:  # inside a run (the piped path, or checks off): no exchange
-        run[1] -= 1
+    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0) if _CHECKS["on"] else None
+    if run is not None and run[1] > 0:  # inside a run (the piped path, or checks off): no exchange,
+        run[1] -= 1                     # the piped path checks the header on its first flag
         algo = candidates[run[0]]
-        header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0)
-                  if _CHECKS["on"] and algo == "shm" else None)
     else:
-        header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0) if _CHECKS["on"] else None
         algo = _tuned_choice(g, key, candidates, header, deciding, dog, what)
         header = None  # checked in the exchange
     if algo == "shm":  # takes a list of buffers as it is

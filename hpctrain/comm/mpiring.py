@@ -22,8 +22,9 @@ from typing import Dict, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import DTYPE_CODES, OPS
+from .buffers import DTYPE_CODES
 from .errors import CommError
+from .shmsync import FAST_DTYPES, OP_CODES  # the same kernels' codes (_kernels.h)
 
 try:
     from . import _mpiring
@@ -41,9 +42,6 @@ SLOTS = 4
 # the agreement); ENABLED is the same switch at run time, to be flipped on every rank alike.
 _ENV_ENABLED = os.environ.get("HPCTRAIN_RING_C", "1") != "0"
 ENABLED = _ENV_ENABLED
-_KERNEL_DTYPES = frozenset(DTYPE_CODES[n] for n in (
-    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
-_OP_CODES = {op: i for i, op in enumerate(OPS)}
 _bound: Dict[str, bool] = {}
 _agreed: Dict[int, Tuple[object, bool]] = {}  # id(comm) -> (comm, usable); holds comm, so ids stay unique
 
@@ -94,13 +92,13 @@ def usable(comm) -> bool:
 def kernel_dtype_code(dtype_name: str):
     """The C kernels' code for ``dtype_name``, or None (float16/bfloat16/bool: Python ring)."""
     code = DTYPE_CODES.get(dtype_name)
-    return code if code in _KERNEL_DTYPES else None
+    return code if code in FAST_DTYPES else None
 
 
 def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, scratch: np.ndarray) -> None:
     """Ring all-reduce of ``arr`` in place (C); ``scratch`` holds ``SLOTS`` segments."""
     err = _mpiring.allreduce(comm.handle, MPI.BYTE.handle, comm.Get_rank(), comm.Get_size(), arr, scratch,
-                             dtype_code, _OP_CODES[op], divisor, SEGMENT_BYTES)
+                             dtype_code, OP_CODES[op], divisor, SEGMENT_BYTES)
     if err:
         raise CommError(f"the C ring all-reduce failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
                         "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")

@@ -32,6 +32,8 @@ import time
 from types import FrameType
 from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence
 
+from . import env as slurm_env
+
 __all__ = ["PreemptionGuard", "install", "any_rank", "requeue_job", "requeue_taken"]
 
 log = logging.getLogger("hpctrain.slurm")
@@ -170,18 +172,11 @@ def requeue_job(
             scontrol, job_id, done.returncode, (done.stderr or done.stdout or "").strip(),
         )
         return False
-    restarts = _restart_count(env)
+    restarts = slurm_env.restart_count(env)
     if not _requeue_shows(job_id, restarts, run, scontrol, confirm_timeout, sleep):
         return False
     log.info("preempt: job %s requeued; it will resume from the checkpoint", job_id)
     return True
-
-
-def _restart_count(env: Mapping[str, str]) -> int:
-    try:
-        return int(env.get("SLURM_RESTART_COUNT") or 0)
-    except ValueError:
-        return 0
 
 
 def requeue_taken(info: Mapping[str, str], restarts_before: int) -> bool:
