@@ -200,6 +200,14 @@ LARGE_RING_BYTES = 32 * 1024 * 1024
 # (tuning_candidates, hpctrain.comm.tuning).
 CROSS_NODE_SMALL_BYTES = 64 * 1024
 SHARED_SMALL_BYTES = 16 * 1024
+# From 1 MiB at 3 or more ranks the ring (in C) is a third candidate of the run-time choice:
+# in one run (2026-12-01, 3 ranks on 2 cores) it ran 1.35×, 1.71×, 1.65× MPI_Allreduce at
+# 1, 4, 16 MiB while the piped path and MPI_Allreduce, which auto chose between, reached
+# 1.14× and 1.18×; at 4 ranks 1.00×, 1.15×, 1.12×. At 2 ranks it moves what MPI_Allreduce
+# moves, through the same single-copy transport, and only ties it (0.85–1.02× at 1–4 MiB):
+# not worth the trials there.
+RING_CANDIDATE_BYTES = 1024 * 1024
+RING_CANDIDATE_RANKS = 3
 
 
 def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", shared: bool = False,
@@ -246,12 +254,15 @@ def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bo
 
     Only on one node, above the flag exchange: there the winner flips with where the host
     puts the cores (the piped path 1.2–1.5× MPI_Allreduce in one placement, 0.3× in the
-    other; docs/performance.md). Below LARGE_RING_BYTES the ring never led.
+    other; docs/performance.md). The ring joins from RING_CANDIDATE_BYTES at 3 ranks or more.
     """
     if topology.size == 1 or not topology.single_node or not small_shm or nbytes <= small_shm:
         return ()
     if nbytes < LARGE_RING_BYTES:
-        return ("shm", "native") if pipes else ()
+        if not pipes:
+            return ()
+        ring_too = topology.size >= RING_CANDIDATE_RANKS and nbytes >= RING_CANDIDATE_BYTES
+        return ("shm", "native", "ring") if ring_too else ("shm", "native")
     return ("ring", "shm", "native") if pipes else ("ring", "native")
 
 

@@ -11,6 +11,7 @@ from hpctrain.comm import plan, tuning
 
 ONE_NODE = plan.topology_from_keys(["a", "a"])
 TWO_NODES = plan.topology_from_keys(["a", "b"])
+THREE_ON_ONE = plan.topology_from_keys(["a", "a", "a"])
 SMALL = 256 << 10
 
 
@@ -124,6 +125,9 @@ def test_enabled_reads_the_environment(monkeypatch):
 @pytest.mark.parametrize("nbytes, topo, small, pipes, expected", [
     (1 << 20, ONE_NODE, SMALL, True, ("shm", "native")),
     (16 << 20, ONE_NODE, SMALL, True, ("shm", "native")),
+    (1 << 20, THREE_ON_ONE, SMALL, True, ("shm", "native", "ring")),  # the ring joins from 3 ranks
+    ((1 << 20) - 4, THREE_ON_ONE, SMALL, True, ("shm", "native")),
+    (1 << 20, THREE_ON_ONE, SMALL, False, ()),
     (32 << 20, ONE_NODE, SMALL, True, ("ring", "shm", "native")),
     (64 << 20, ONE_NODE, SMALL, False, ("ring", "native")),
     (1 << 20, ONE_NODE, SMALL, False, ()),  # slots too small to pipe: the fixed choice
