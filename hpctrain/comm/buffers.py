@@ -65,6 +65,9 @@ def _flatten_numpy(x: np.ndarray, writable: bool, what: str) -> Flat:
         if writable:
             raise ValueError(f"{what}: array is not C-contiguous. HINT: pass np.ascontiguousarray(x)")
         x = np.ascontiguousarray(x)
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{what}: array is read-only, so it cannot take the result in place. "
+                         "HINT: pass a writable copy (x.copy()), or call the out-of-place form")
     name = _NAMES.get(x.dtype)
     if name is None:
         if x.dtype.kind not in "biufc":

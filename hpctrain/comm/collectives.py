@@ -30,6 +30,7 @@ def _all_ranks(g: Group):
 
 
 _ENV_CHOICE = {"value": None}
+_ASYNC_WORKER = asyncq._worker  # {"w": the background thread of allreduce_async, or None}
 
 
 def requested_algorithm(algorithm: str) -> str:
@@ -94,11 +95,33 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
     """In-place all-reduce; returns ``x``."""
     g = _world_state["world"] if group is None else group
-    # the common case first, with as little Python as possible (a 4 KiB all-reduce takes ~1 µs
-    # in the flag exchange): auto, a numpy array, a one-node group with flags, no override
-    if type(g) is Group and g.small_shm and algorithm == "auto" and type(x) is np.ndarray and _ENV_CHOICE["value"] == "auto":
-        asyncq.drain()
-        return x if _lean_allreduce_(g, x, op) else _allreduce(x, op, algorithm, g, inplace=True)
+    # the common case first, with as little Python as possible: auto, a numpy array, a
+    # one-node group with flags, no override. Up to g.small_shm bytes that is one flag
+    # exchange, made right here: at 1 KiB (2 ranks, 2026-12-01) 0.83 µs a call, against
+    # 1.30 µs through _lean_allreduce_ and 1.10 µs for a bare MPI_Allreduce.
+    if type(g) is Group and algorithm == "auto" and type(x) is np.ndarray and _ENV_CHOICE["value"] == "auto":
+        small = g.small_shm
+        if small:
+            if _ASYNC_WORKER["w"] is not None:
+                asyncq.drain()
+            if 0 < x.nbytes <= small:
+                code = _FAST_DTYPES.get(x.dtype)
+                ops = _SMALL_OP.get(op)
+                if code is not None and ops is not None:
+                    g.seq += 1
+                    header = shmsync.HEADER.pack(g.seq, 0, ops[0], code, x.size, _SHM, 0, 0) if _CHECKS["on"] else None
+                    dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
+                    try:
+                        status = g.node_flags.ctx.exchange(header, x, code, ops[1], dog.timeout)
+                    except (BufferError, ValueError):  # numpy: not C-contiguous / read-only; the general
+                        g.seq -= 1                     # path says what to do (the exchange refused the
+                        status = -1                    # buffer before it touched a flag)
+                    if status == 0:
+                        return x
+                    if status > 0:
+                        _exchange_failed(g, x, op, status, dog)
+                        return x
+            return x if _lean_allreduce_(g, x, op) else _allreduce(x, op, algorithm, g, inplace=True)
     g = _sync_start(group)
     if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray
             and (_ENV_CHOICE["value"] or requested_algorithm("auto")) == "auto" and _lean_allreduce_(g, x, op)):
@@ -237,6 +260,12 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
 
 
 _RUN_SHIFT = 64  # choice value = candidate number + _RUN_SHIFT × (calls of the run − 1)
+
+
+def _exchange_failed(g: Group, x: np.ndarray, op: str, status: int, dog) -> None:
+    """Report a flag exchange of ``allreduce_`` that timed out or found the ranks disagreeing."""
+    g.node_flags.check(status, dog, lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) "
+                                            f"[collective #{g.seq}] on {g.name}", g.describe_ranks, g)
 
 
 def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:

@@ -270,6 +270,22 @@ def test_small_messages_take_the_flag_exchange_when_built():
     assert comm.choose_algorithm(1 << 20, dtype="float16") == "native"
 
 
+def test_small_in_place_refusals_keep_the_ranks_in_step():
+    # allreduce_ hands a small array straight to the flag exchange; one that is not
+    # C-contiguous or is read-only must get the general path's error, with nothing sent
+    strided = np.ones((8, 2), dtype=np.float32)[:, 0]
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        comm.allreduce_(strided)
+    frozen = np.ones(8, dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.allreduce_(frozen)
+    x = np.full(8, R + 1, dtype=np.float32)
+    comm.allreduce_(x)  # the next collective still pairs up on every rank
+    np.testing.assert_array_equal(x, np.full(8, N * (N + 1) / 2, dtype=np.float32))
+    assert comm.allreduce_(np.full(3, 2.0), op="prod")[0] == 2.0 ** N  # float64, another op
+
+
 @pytest.mark.parametrize("algo", ["auto", "shm", "hierarchical"])
 def test_shared_buffer_zero_copy(algo):
     sbuf = comm.shared_buffer((3, 1001), "float32")

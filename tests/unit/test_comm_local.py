@@ -59,6 +59,16 @@ def test_reduction_kernels_all_dtypes():
     np.testing.assert_array_equal(ints, [3, -3])  # truncates toward zero, like C
 
 
+def test_flatten_for_in_place_names_what_cannot_take_a_result():
+    frozen = np.zeros(4, dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="allreduce_: array is read-only.*HINT"):
+        flatten(frozen, writable=True, what="allreduce_")
+    assert flatten(frozen).array is frozen  # reading it is fine
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        flatten(np.zeros((4, 2))[:, 0], writable=True)
+
+
 class _FakeGroup:
     name = "world"
 
