@@ -11,7 +11,9 @@ is right in both, so ``auto`` measures.
 How: the group's local rank 0 keeps, per message-size class, an estimate of each candidate's
 time (a moving average of its own timings) and picks the best; now and then it gives another
 candidate a short trial again, more rarely the worse that one was last time, so a change of
-state is seen within a few hundred calls at most and exploring costs a few per cent. The choice travels to
+state is seen within a few hundred calls at most and exploring costs a few per cent. A trial
+clearly slower on its first believed call ends there (CUT_RATIO); the running best gives way
+only to a candidate clearly faster (SWITCH_MARGIN), so two within the noise do not trade places. The choice travels to
 every rank with the agreement check (``collectives``), so all ranks run the same algorithm.
 
 Pure: no MPI, no clocks; the caller times the calls and reports them with ``record``.
@@ -35,6 +37,16 @@ TRIAL_CALLS = 5
 LEARNING_CALLS = 3 * TRIAL_CALLS + 1
 # A trial whose first call takes more than this × the best's estimate ends at once.
 ABANDON_RATIO = 2.0
+# A trial whose first believed call (its second) takes more than this × the best's estimate
+# ends there: at 4 MiB, 2 ranks, the piped path ran ~1.45× MPI_Allreduce's time, and its full
+# trials every ~70 calls cost auto ~3% (2026-12-01). A candidate cut by one noisy call
+# (single calls vary ±20%) is tried again after the usual interval.
+CUT_RATIO = 1.25
+# The running best gives way only to a candidate estimated this much faster: two candidates
+# within the noise of each other (1 MiB, 2 ranks: the piped path and MPI_Allreduce) otherwise
+# trade places every few trials, and each switch costs a cold call (auto then ran 0.86–0.90×
+# MPI_Allreduce while both candidates ran 0.89–0.99×, 2026-12-01).
+SWITCH_MARGIN = 0.08
 WEIGHT = 0.3  # weight of the newest timing in the running candidate's estimate
 
 
@@ -114,7 +126,7 @@ class Tuner:
         untried = [n for n in sc.candidates if math.isinf(sc.arms[n].estimate)]
         if untried:
             return self._start_trial(sc, untried[0])
-        best = sc.best = self.best(key)
+        best = sc.best = self._leader(sc)
         others = [n for n in sc.candidates if n != best]
         if not others:
             sc.countdown = 1 << 62
@@ -160,16 +172,29 @@ class Tuner:
             arm.estimate += (seconds - arm.estimate) / arm.kept
         else:  # the running best: a moving average that follows changes of state
             arm.estimate += self.weight * (seconds - arm.estimate)
+        if (sc.trial_left and name == sc.trial and arm.kept == 1 and sc.best and sc.best != name
+                and seconds > CUT_RATIO * sc.arms[sc.best].estimate):
+            sc.trial_left = 0  # clearly slower on its first believed call: not worth the rest
         if name == sc.best and not sc.trial_left:
-            for other in sc.candidates:  # the running best got slower than another: switch now
-                if sc.arms[other].estimate < arm.estimate:
+            for other in sc.candidates:  # the running best got clearly slower than another: switch now
+                if sc.arms[other].estimate < (1 - SWITCH_MARGIN) * arm.estimate:
                     sc.best = self.best(key)
                     sc.countdown = self.interval(sc.arms[sc.best].estimate, arm.estimate)
                     break
 
     def best(self, key: Hashable) -> str:
+        """The candidate with the lowest estimate."""
         sc = self.classes[key]
         return min(sc.candidates, key=lambda n: sc.arms[n].estimate)
+
+    def _leader(self, sc: SizeClass) -> str:
+        """The candidate to run between trials: the lowest estimate, unless the one running
+        so far is within SWITCH_MARGIN of it."""
+        top = min(sc.candidates, key=lambda n: sc.arms[n].estimate)
+        held = sc.best
+        if held and held != top and (1 - SWITCH_MARGIN) * sc.arms[held].estimate <= sc.arms[top].estimate:
+            return held
+        return top
 
     def estimates(self, key: Hashable) -> Dict[str, float]:
         sc = self.classes[key]
