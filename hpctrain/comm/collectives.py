@@ -283,8 +283,7 @@ def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
     dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
     status = flags.ctx.exchange(header, x, code, ops[1], dog.timeout)
     if status:
-        flags.check(status, dog, lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) "
-                                         f"[collective #{g.seq}] on {g.name}", g.describe_ranks, g)
+        _exchange_failed(g, x, op, status, dog)
     return True
 
 
