@@ -204,7 +204,7 @@ SHARED_SMALL_BYTES = 16 * 1024
 # in one run (2026-12-01, 3 ranks on 2 cores) it ran 1.35×, 1.71×, 1.65× MPI_Allreduce at
 # 1, 4, 16 MiB while the piped path and MPI_Allreduce, which auto chose between, reached
 # 1.14× and 1.18×; at 4 ranks 1.00×, 1.15×, 1.12×. At 2 ranks it moves what MPI_Allreduce
-# moves, through the same single-copy transport, and only ties it (0.85–1.02× at 1–4 MiB):
+# moves, through the same single-copy transport, and only ties it (0.80–1.02× at 1–4 MiB):
 # not worth the trials there.
 RING_CANDIDATE_BYTES = 1024 * 1024
 RING_CANDIDATE_RANKS = 3
