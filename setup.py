@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "hpctrain" / "__init__.py").read_text()).group(1)
@@ -15,8 +15,9 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["hpctrain", "hpctrain.*"]),
-    package_data={"hpctrain": ["templates/*", "py.typed"]},
+    # hpctrain/templates (the sbatch templates) is a data folder without __init__.py
+    packages=find_namespace_packages(include=["hpctrain", "hpctrain.*"], exclude=["*.__pycache__"]),
+    package_data={"hpctrain": ["py.typed"], "hpctrain.templates": ["*.sbatch"]},
     include_package_data=True,
     install_requires=[
         "numpy>=1.23",
