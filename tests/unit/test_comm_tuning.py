@@ -15,10 +15,10 @@ THREE_ON_ONE = plan.topology_from_keys(["a", "a", "a"])
 SMALL = 256 << 10
 
 
-def drive(tuner, times, calls, key="k", candidates=("shm", "native"), switch_cost=0.0):
+def drive(tuner, times, calls, key="k", candidates=("shm", "native"), switch_cost=0.0, bests=None):
     """Run ``calls`` tuned calls; ``times(i)`` gives each candidate's time at call i. The first
     call after a change of algorithm costs ``switch_cost`` more. Returns the names run and the
-    total time."""
+    total time. ``bests``: a list that gets the tuner's running best after each call."""
     ran, total, previous = [], 0.0, None
     for i in range(calls):
         name = tuner.choose(key, candidates)
@@ -27,7 +27,14 @@ def drive(tuner, times, calls, key="k", candidates=("shm", "native"), switch_cos
         ran.append(name)
         total += seconds
         previous = name
+        if bests is not None:
+            bests.append(tuner.classes[key].best)
     return ran, total
+
+
+def trial_starts(ran, name="shm", since=1):
+    """Calls (from ``since``) where ``name`` ran after another candidate: its trials."""
+    return [i for i in range(max(since, 1), len(ran)) if ran[i] == name and ran[i - 1] != name]
 
 
 def test_tries_every_candidate_first_then_runs_the_faster():
@@ -144,7 +151,7 @@ def test_a_challenger_far_slower_on_its_first_call_is_dropped_at_once():
     # the slow state of the dev machine: the piped path ~4× MPI_Allreduce at 16 MiB
     tuner = tuning.Tuner()
     ran, _ = drive(tuner, lambda i: {"shm": 4.0, "native": 1.0}, 2000)
-    trials = [i for i in range(1, len(ran)) if ran[i] == "shm" and ran[i - 1] != "shm"]
+    trials = trial_starts(ran)
     assert len(trials) >= 3
     # after learning, each trial of the slow candidate is one call, not TRIAL_CALLS
     assert all(ran[i + 1] == "native" for i in trials[1:])
@@ -155,7 +162,7 @@ def test_a_challenger_clearly_slower_on_its_first_believed_call_is_cut_there():
     # 4 MiB, 2 ranks: the piped path ~1.45× MPI_Allreduce's time
     tuner = tuning.Tuner()
     ran, total = drive(tuner, lambda i: {"shm": 1.45, "native": 1.0}, 3000)
-    trials = [i for i in range(1, len(ran)) if ran[i] == "shm" and ran[i - 1] != "shm"]
+    trials = trial_starts(ran)
     assert len(trials) >= 10
     # after learning, a trial is the switch call and one believed call, not TRIAL_CALLS
     assert all(ran[i + 2] == "native" for i in trials[1:])
@@ -163,7 +170,7 @@ def test_a_challenger_clearly_slower_on_its_first_believed_call_is_cut_there():
     # a challenger only slightly slower still gets its whole trial
     tuner = tuning.Tuner()
     ran, _ = drive(tuner, lambda i: {"shm": 1.15, "native": 1.0}, 1000)
-    later = [i for i in range(100, len(ran)) if ran[i] == "shm" and ran[i - 1] != "shm"]
+    later = trial_starts(ran, since=100)
     assert later and all(ran[i:i + tuning.TRIAL_CALLS] == ["shm"] * tuning.TRIAL_CALLS for i in later[:-1])
 
 
@@ -173,16 +180,9 @@ def test_candidates_within_the_noise_do_not_trade_places_every_few_trials():
     import random
 
     rng = random.Random(0)
-    tuner = tuning.Tuner()
     bests = []
-    times = lambda i: {"shm": rng.uniform(0.8, 1.2), "native": 1.03 * rng.uniform(0.8, 1.2)}  # noqa: E731
-    ran, total = [], 0.0
-    for i in range(3000):
-        name = tuner.choose("k", ("shm", "native"))
-        seconds = times(i)[name] + (0.15 if ran and ran[-1] != name else 0.0)
-        tuner.record("k", name, seconds)
-        ran.append(name)
-        bests.append(tuner.classes["k"].best)
+    drive(tuning.Tuner(), lambda i: {"shm": rng.uniform(0.8, 1.2), "native": 1.03 * rng.uniform(0.8, 1.2)},
+          3000, switch_cost=0.15, bests=bests)
     flips = sum(1 for i in range(200, 3000) if bests[i] != bests[i - 1])
     assert flips < 60  # ~150 when any lower estimate took over at once
     # a candidate clearly faster still takes over
