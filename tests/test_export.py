@@ -47,7 +47,7 @@ def test_export_state_dict_and_torchscript_agree_with_load_model(trained, tmp_pa
 
     run_dir, x, y = trained
     out = tmp_path / "model.pt"
-    r = cli("export", str(run_dir), "-o", str(out), "--torchscript")
+    r = cli("export", str(run_dir), "-o", str(out), "--torchscript", "--torch-export")
     assert r.returncode == 0, r.stderr
     assert "ckpt-000000040.pt (step 40)" in r.stderr, r.stderr
     ts = tmp_path / "model.torchscript.pt"
@@ -65,9 +65,12 @@ def test_export_state_dict_and_torchscript_agree_with_load_model(trained, tmp_pa
     fresh.load_state_dict(weights)
     fresh.eval()
     scripted = torch.jit.load(str(ts))
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
+    assert f"torch.export program: {tmp_path / 'model.pt2'}" in r.stdout
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)
         torch.testing.assert_close(scripted(x), expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(program(x), expected, rtol=1e-6, atol=1e-6)  # batch size is dynamic
 
 
 def test_checkpoint_option_picks_that_file(trained, tmp_path):

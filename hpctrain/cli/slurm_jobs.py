@@ -84,6 +84,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         print(f"hpctrain slurm cancel: job {args.job} already ended ({states}); nothing to cancel", file=sys.stderr)
         return 0
     scancel(args.job)
+    if args.job.step is not None:  # the job goes on; only the step ends
+        print(f"hpctrain slurm cancel: cancelled step {args.job}", file=sys.stderr)
+        return 0
     rows = _settled(args.job, args.wait)
     states = ", ".join(sorted({r.state for r in rows})) or "gone"
     print(f"hpctrain slurm cancel: job {args.job}: {states}", file=sys.stderr)

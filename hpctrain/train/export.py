@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,13 +247,23 @@ def sample_input(config: Mapping[str, Any], rows: int = 2) -> torch.Tensor:
     return torch.zeros((rows, *info.keys[key].shape[1:]), dtype=dtype)
 
 
+def _sample_or_none(config: Mapping[str, Any]) -> Optional[torch.Tensor]:
+    try:
+        return sample_input(config)
+    except ExportError as exc:
+        log.warning("no sample input for tracing: %s", exc)
+        return None
+
+
 def to_torchscript(model: nn.Module, example: Optional[Callable[[], Optional[torch.Tensor]]] = None
                    ) -> torch.jit.ScriptModule:
     """``torch.jit.script(model)``, else ``torch.jit.trace`` with ``example()`` (a sample input,
     asked for only then). A traced model fixes data-dependent control flow to the path the
     example took."""
     try:
-        return torch.jit.script(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # asked for explicitly; torch.export is the other way
+            return torch.jit.script(model)
     except Exception as exc:  # torch.jit raises many types for unsupported Python
         lines = str(exc).strip().splitlines()
         scripted_error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
@@ -261,12 +272,24 @@ def to_torchscript(model: nn.Module, example: Optional[Callable[[], Optional[tor
         raise ExportError(f"the model cannot be scripted ({scripted_error}) and there is no sample input to trace "
                           "it with\nHINT: use the state_dict with your model class, or hpctrain.load_model(RUN_DIR)")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
             return torch.jit.trace(model, sample)
     except Exception as exc:
         raise ExportError(f"the model can neither be scripted ({scripted_error}) nor traced "
                           f"({type(exc).__name__}: {exc})\nHINT: use the state_dict with your model class, "
                           "or hpctrain.load_model(RUN_DIR)") from None
+
+
+def to_exported_program(model: nn.Module, example: torch.Tensor) -> Any:
+    """``torch.export.export(model, (example,))`` with the batch dimension dynamic (the
+    example needs at least 2 rows: sizes 0 and 1 would be specialised)."""
+    try:
+        return torch.export.export(model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    except Exception as exc:  # unsupported Python in forward, data-dependent control flow
+        lines = str(exc).strip().splitlines()
+        raise ExportError(f"torch.export cannot capture the model ({type(exc).__name__}: {lines[0] if lines else ''})"
+                          "\nHINT: use --torchscript, or the state_dict with your model class") from None
 
 
 @dataclass(frozen=True)
@@ -277,15 +300,18 @@ class Exported:
     step: int
     state_dict: Path
     torchscript: Optional[Path]
+    program: Optional[Path]       # torch.export's ExportedProgram (.pt2)
     normalize: Optional[Path]     # the input normalisation's tensors, when the run has one
 
 
 def export(run_dir: PathLike, out: PathLike, *, best: bool = False, checkpoint: Optional[PathLike] = None,
-           torchscript: Optional[PathLike] = None) -> Exported:
+           torchscript: Optional[PathLike] = None, program: Optional[PathLike] = None) -> Exported:
     """Write the model's plain ``state_dict`` (tensors only: loads with ``weights_only=True``)
     to ``out``; with ``torchscript``, also the model with its input normalisation as
     TorchScript (``torch.jit.load``-able without hpctrain or the model's code). A run with
-    input normalisation also gets ``<out stem>.normalize.pt`` (``shift``/``scale`` tensors)."""
+    input normalisation also gets ``<out stem>.normalize.pt`` (``shift``/``scale`` tensors).
+    With ``program``, also ``torch.export``'s ExportedProgram (``torch.export.load``; needs the
+    run's data for the input shape)."""
     loaded = read_checkpoint(checkpoint if checkpoint is not None else find_checkpoint(run_dir, best))
     model = build_model(loaded.config, loaded.weights)
     out = Path(out)
@@ -299,17 +325,13 @@ def export(run_dir: PathLike, out: PathLike, *, best: bool = False, checkpoint: 
         norm_path = out.with_name(out.stem + ".normalize.pt")
         torch.save({k: v.clone() for k, v in full.state_dict().items() if not k.startswith("model.")},
                    str(norm_path))
-    ts_path = None
-    if torchscript is not None:
-        def example() -> Optional[torch.Tensor]:
-            try:
-                return sample_input(loaded.config)
-            except ExportError as exc:
-                log.warning("no sample input for tracing: %s", exc)
-                return None
-
-        ts_path = Path(torchscript)
+    ts_path = None if torchscript is None else Path(torchscript)
+    if ts_path is not None:
         ts_path.parent.mkdir(parents=True, exist_ok=True)
-        to_torchscript(full, example).save(str(ts_path))
+        to_torchscript(full, lambda: _sample_or_none(loaded.config)).save(str(ts_path))
+    program_path = None if program is None else Path(program)
+    if program_path is not None:
+        program_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.export.save(to_exported_program(full, sample_input(loaded.config)), str(program_path))
     return Exported(checkpoint=loaded.path, step=loaded.step, state_dict=out, torchscript=ts_path,
-                    normalize=norm_path)
+                    program=program_path, normalize=norm_path)

@@ -99,6 +99,18 @@ def test_export_writes_bare_state_dict_normalisation_beside_and_torchscript(tmp_
         torch.testing.assert_close(scripted(X), load_model(run)(X))
 
 
+def test_exported_program_keeps_the_normalisation_and_a_dynamic_batch(tmp_path):
+    from hpctrain.train.export import to_exported_program
+
+    mean, std = torch.tensor([1.0, 0.5, 2.0]), torch.tensor([2.0, 4.0, 0.5])
+    model = load_model(make_run(tmp_path, {"mean": mean, "std": std}))
+    torch.export.save(to_exported_program(model, torch.zeros(2, 3)), str(tmp_path / "m.pt2"))
+    loaded = torch.export.load(str(tmp_path / "m.pt2")).module()
+    x = torch.randn(5, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+
+
 def test_unscriptable_model_is_traced_with_the_sample_input():
     class Loose(nn.Module):
         def forward(self, x, *rest):  # *args: torch.jit.script refuses it
@@ -127,3 +139,27 @@ def test_not_a_checkpoint(tmp_path):
         load_model(tmp_path, checkpoint=bad)
     with pytest.raises(ExportError, match="no checkpoint that loads in .*\nHINT"):
         load_model(tmp_path)
+
+
+def test_pipeline_checkpoint_is_merged_into_one_model(tmp_path):
+    """A pipeline-<step>/ directory (meta.pt + one file per stage) loads as the whole model."""
+    from hpctrain.parallel.checkpoint import FORMAT, stage_checkpoint_path
+    from hpctrain.train import pipeline as pp
+
+    torch.manual_seed(1)
+    model = mlp(**KWARGS)  # Flatten, Scale, Linear '2', ReLU, Linear '4'
+    weights = model.state_dict()
+    directory = tmp_path / "run" / "checkpoints" / pp.checkpoint_name(9)
+    directory.mkdir(parents=True)
+    for stage, prefix in enumerate(("2.", "4.")):
+        state = {"format": FORMAT, "stage": stage, "stages": 2, "layers": [], "split_points": [3], "num_layers": 5,
+                 "state_dict": {k: v for k, v in weights.items() if k.startswith(prefix)}, "optimizer": None,
+                 "extra": {}}
+        torch.save(state, stage_checkpoint_path(str(directory), stage, 2))
+    torch.save({"format": pp.META_FORMAT, "step": 9, "stages": 2, "split_points": [3], "extra": {},
+                "config": {"model": {"factory": "hpctrain.train.models:mlp", "kwargs": KWARGS}}},
+               str(directory / pp.META_NAME))
+    loaded = load_model(tmp_path / "run")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(X), model.eval()(X), rtol=0, atol=0)
+    assert read_checkpoint(directory).step == 9
