@@ -26,6 +26,7 @@ __all__ = [
     "SACCT_FIELDS",
     "parse_sacct",
     "accounting_disabled",
+    "key_values",
     "parse_scontrol_records",
     "row_from_scontrol",
     "expand_pattern",
@@ -184,7 +185,8 @@ def accounting_disabled(stderr: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- scontrol
-def _key_values(line: str) -> Dict[str, str]:
+def key_values(line: str) -> Dict[str, str]:
+    """One line of ``scontrol show`` output as its ``Key=Value`` pairs."""
     # Keys start a line or follow a space; a value runs to the next key, so values with
     # spaces (Command=, WorkDir=, StdOut=, alone on their lines) stay whole.
     out: Dict[str, str] = {}
@@ -211,7 +213,7 @@ def parse_scontrol_records(text: str) -> List[Dict[str, str]]:
                 records.append(current)
                 current = {}
             continue
-        current.update(_key_values(line))
+        current.update(key_values(line))
     if current:
         records.append(current)
     return [r for r in records if "JobId" in r]

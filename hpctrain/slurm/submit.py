@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from hpctrain.slurm.jobs import FINAL_STATES, JobRef, JobRow
+from hpctrain.slurm.jobs import FINAL_STATES, JobRef, JobRow, key_values
 
 __all__ = [
     "SubmitError",
@@ -56,13 +56,7 @@ def parse_scontrol_show_job(text: str) -> Dict[str, str]:
     """
     info: Dict[str, str] = {}
     for line in text.splitlines():
-        line = line.strip()
-        # keys start at line start or after a space: Word=...
-        spans = [m.start() for m in re.finditer(r"(?:(?<=\s)|^)[A-Za-z][A-Za-z0-9_:/]*=", line)]
-        for i, start in enumerate(spans):
-            end = spans[i + 1] if i + 1 < len(spans) else len(line)
-            key, _, value = line[start:end].strip().partition("=")
-            info[key] = value
+        info.update(key_values(line.strip()))
     return info
 
 
