@@ -161,7 +161,7 @@ def _submit_on_cluster(run_dir: Path, name: str, options, command) -> int:
 
     from cluster import slurm_on_cluster
 
-    argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--run-dir", str(run_dir),
+    argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--job-dir", str(run_dir),
                        "--venv", _sys.prefix, "--time", "5", "--signal-seconds", "30", "--job-name", name,
                        *options, "--", *command)
     proc = slurm_on_cluster(argv, timeout=60)
