@@ -22,7 +22,7 @@ def require(module: str, purpose: str) -> ModuleType:
     top = module.partition(".")[0]
     extra, dist = EXTRAS[top]
     try:
-        return importlib.import_module(module)
+        importlib.import_module(top)
     except ModuleNotFoundError as exc:
         if exc.name != top:  # the package is there but broken: that error is the useful one
             raise
@@ -31,3 +31,4 @@ def require(module: str, purpose: str) -> ModuleType:
             f"HINT: pip install 'hpctrain[{extra}]' (or: pip install {dist})",
             name=top,
         ) from None
+    return importlib.import_module(module)

@@ -30,7 +30,7 @@ def test_gpu_inventory_matches_torch():
     import torch
 
     inv = collect_gpus()
-    assert inv.source in ("nvml", "torch", "nvidia-smi")
+    assert inv.source in ("nvml", "torch")
     assert len(inv.visible_gpus()) == torch.cuda.device_count()
     g = inv.visible_gpus()[0]
     props = torch.cuda.get_device_properties(0)
