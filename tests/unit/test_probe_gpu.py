@@ -3,13 +3,13 @@ tests skip with the reason printed — and fail instead when HPCTRAIN_REQUIRE_GP
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from hpctrain.probe import collect_gpus
+from require import skip_or_fail
 
 
 def gpu_or_skip():
@@ -19,10 +19,7 @@ def gpu_or_skip():
         return
     reason = (f"no usable GPU (torch {torch.__version__}, CUDA {torch.version.cuda}, "
               f"notes: {'; '.join(collect_gpus().notes)})")
-    if os.environ.get("HPCTRAIN_REQUIRE_GPU") == "1":
-        pytest.fail("HPCTRAIN_REQUIRE_GPU=1 but " + reason)
-    print(f"\nSKIP GPU test: {reason}", flush=True)
-    pytest.skip(reason)
+    skip_or_fail("gpu", reason)
 
 
 def test_gpu_inventory_matches_torch():
