@@ -16,6 +16,8 @@ import pytest
 
 from require import skip_or_fail
 
+pytestmark = pytest.mark.mpi
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV_DIR = Path(os.environ.get("HPCTRAIN_MPIO_ENV") or Path.home() / ".cache" / "hpctrain" / "mpio-env")
 

@@ -15,6 +15,8 @@ import pytest
 
 from cluster import multinode_cluster, multinode_slurm, python_argv, run_mpi_on_cluster  # noqa: F401 (fixtures)
 
+pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
+
 ROOT_DIR = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT_DIR / "tests" / "cluster" / "scripts"
 

@@ -23,6 +23,8 @@ from hpctrain.slurm.nodelist import expand_nodelist
 from hpctrain.slurm.submit import sbatch, wait_for_job
 from slurm_fixture import LOCAL_CLUSTER, ROOT, slurm_cluster  # noqa: F401 (fixture)
 
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
+
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 JOBS = ROOT / "tests" / "slurm_jobs"

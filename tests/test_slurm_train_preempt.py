@@ -18,6 +18,8 @@ from hpctrain.slurm.submit import wait_for_job
 from hpctrain.train.checkpoint import newest_valid
 from slurm_fixture import ROOT, slurm_cluster  # noqa: F401 (fixture)
 
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow]
+
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 PY = sys.executable
 HPCTRAIN = str(Path(PY).parent / "hpctrain")

@@ -11,6 +11,8 @@ import pytest
 from hpctrain.probe import collect_gpus
 from require import skip_or_fail
 
+pytestmark = pytest.mark.gpu
+
 
 def gpu_or_skip():
     import torch
