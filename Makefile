@@ -19,11 +19,14 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 help:
 	@echo "make demo   - set up .venv and run the main job (multi-rank training on shipped data)"
 	@echo "make test   - set up .venv and run the whole test suite"
+	@echo "make test-unit, make test-mpi - only the pure tests / only those under mpiexec (no SLURM)"
 	@echo "make bench  - all-reduce benchmark at $(RANKS) ranks"
 
 setup: $(STAMP)
 
-$(STAMP): setup.py requirements-dev.txt hpctrain/comm/_shmsync.c hpctrain/data/_codecs.c
+# Reinstalled when the build inputs change: the metadata, the layout, the C sources.
+$(STAMP): pyproject.toml setup.py requirements-dev.txt \
+          hpctrain/comm/_shmsync.c hpctrain/comm/_mpiring.c hpctrain/comm/_kernels.h hpctrain/data/_codecs.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
@@ -40,8 +43,12 @@ test: setup
 	bash tests/mpio/setup-env.sh || echo "NOTE: no parallel-HDF5 test environment (Debian 12 only): the mpio loader test will skip"
 	$(PY) -m pytest -q --durations=15 tests
 
+# By kind (the markers in pytest.ini): pure tests only, or the ones under mpiexec without a scheduler.
 test-unit: setup
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not (mpi or slurm or cluster or gpu)" tests
+
+test-mpi: setup
+	$(PY) -m pytest -q -m "mpi and not (slurm or cluster)" tests
 
 bench: setup
 	$(VENV)/bin/hpctrain launch -n $(RANKS) -- hpctrain bench allreduce

@@ -40,9 +40,10 @@ def sh(argv: list, **kw) -> None:
 def split_digits(out_dir: Path, test_fraction: float = 0.2, seed: int = 0) -> tuple:
     """Stratified shuffled split of the digits set into train.npz / test.npz (x float32, y int64)."""
     import numpy as np
-    from sklearn.datasets import load_digits
 
-    d = load_digits()
+    from hpctrain.extras import require
+
+    d = require("sklearn.datasets", "the demo (its digits data)").load_digits()
     x, y = d.data.astype(np.float32), d.target.astype(np.int64)
     rng = np.random.default_rng(seed)
     test_idx = []

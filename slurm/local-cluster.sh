@@ -6,12 +6,15 @@
 #                                   daemons, wait until the node is idle. Idempotent.
 #   slurm/local-cluster.sh stop     cancel jobs, stop slurmd, slurmctld, munged by their pid files
 #   slurm/local-cluster.sh status   daemons, pids and node state; exit 0 only when usable
+#   slurm/local-cluster.sh conf     print the slurm.conf that start writes (writes nothing)
 #
 # Needs root (apt-get, daemons under /run and /etc). It refuses to overwrite a slurm.conf it
 # did not write, so it never clobbers a real cluster's configuration.
 # Environment: HPCTRAIN_SLURM_CPUS (CPUs the node advertises; default max(nproc, 8)),
 #              HPCTRAIN_SLURM_PARTITION (default "local").
 set -euo pipefail
+# shellcheck source=slurm/slurm-conf.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm-conf.sh"
 
 CONF_DIR=/etc/slurm
 CONF=$CONF_DIR/slurm.conf
@@ -76,38 +79,11 @@ render_conf() {
   cpus=${HPCTRAIN_SLURM_CPUS:-$(nproc)}
   [ -n "${HPCTRAIN_SLURM_CPUS:-}" ] || [ "$cpus" -ge 8 ] || cpus=8
   mem_mb=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.95}' /proc/meminfo)
-  cat <<EOF
-$MARK — edit that script, not this file.
-ClusterName=hpctrain-local
-SlurmctldHost=$host(127.0.0.1)
-SlurmUser=root
-AuthType=auth/munge
-# Fast requeue for tests: a requeued job restarts after ~12 s instead of ~150 s.
-AuthInfo=cred_expire=10
-SchedulerParameters=sched_interval=2,bf_interval=1
-# No systemd, no cgroups here.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-# Lets CPUs= exceed the real core count: more 1-CPU test jobs at once.
-SlurmdParameters=config_overrides
-MpiDefault=none
-ReturnToService=2
-KillWait=5
-# Finished jobs stay visible to 'scontrol show job' for 5 minutes (no accounting here).
-MinJobAge=300
-StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
-SlurmctldPidFile=$CTLD_PID
-SlurmdPidFile=$SLURMD_PID
-SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
-PartitionName=$PARTITION Nodes=$host Default=YES MaxTime=INFINITE State=UP
-EOF
+  slurm_conf header="$MARK — edit that script, not this file." cluster=hpctrain-local \
+    controller="$host(127.0.0.1)" auth_info=cred_expire=10 state_dir=/var/spool/slurmctld \
+    ctld_pid="$CTLD_PID" ctld_log="$LOG_DIR/slurmctld.log" slurmd_spool=/var/spool/slurmd \
+    slurmd_pid="$SLURMD_PID" slurmd_log="$LOG_DIR/slurmd.log" \
+    nodes="$host" addrs=127.0.0.1 cpus="$cpus" mem_mb="$mem_mb" partition="$PARTITION"
 }
 
 # Writes slurm.conf/mpi.conf; prints "changed" when slurm.conf's content changed.
@@ -228,5 +204,6 @@ case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  conf) render_conf ;;
+  *) echo "usage: $0 start|stop|status|conf" >&2; exit 2 ;;
 esac

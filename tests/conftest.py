@@ -6,8 +6,43 @@
   ``tests/test_mpi_suites.py`` launches each file at each of its rank counts, with a timeout,
   so that one hang fails one test fast instead of stalling the suite.
 - Other top-level tests drive the CLI, SLURM and the multi-node cluster.
+
+Markers (``pytest.ini``) say what a test needs: each module outside ``tests/unit/`` sets
+``pytestmark``; the fixtures below add ``slurm`` and ``cluster`` to the tests that use them,
+so that ``pytest -m "not slurm"`` also leaves out a test that only asks for the scheduler.
 """
 import os
+from pathlib import Path
+
+import pytest
 
 if not os.environ.get("HPCTRAIN_MPI_CHILD"):
     collect_ignore_glob = ["mpi/*"]
+
+HERE = Path(__file__).resolve().parent
+KINDS = ("mpi", "slurm", "cluster", "gpu")
+# fixture -> the markers a test that uses it gets
+FIXTURE_KINDS = {
+    "slurm_cluster": ("slurm",),
+    "multinode_cluster": ("cluster",),
+    "multinode_slurm": ("cluster", "slurm"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
+    unmarked = set()
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if HERE / "mpi" in path.parents:
+            item.add_marker("mpi")
+        for fixture in item.fixturenames:
+            for kind in FIXTURE_KINDS.get(fixture, ()):
+                item.add_marker(kind)
+        if HERE / "unit" not in path.parents and not any(item.get_closest_marker(k) for k in KINDS):
+            unmarked.add(path.relative_to(HERE.parent).as_posix())
+    if unmarked:
+        raise pytest.UsageError(
+            f"{', '.join(sorted(unmarked))}: a test outside tests/unit/ needs one of the markers "
+            f"{', '.join(KINDS)} (pytest.ini) so that `make test-unit` leaves it out; "
+            "HINT: set pytestmark = pytest.mark.mpi (or what it needs) at the top of the module"
+        )

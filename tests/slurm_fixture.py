@@ -10,7 +10,7 @@ from typing import Optional
 
 import pytest
 
-from mpirun import report_past_capture
+from require import skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_CLUSTER = ROOT / "slurm" / "local-cluster.sh"
@@ -33,9 +33,6 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-_report = report_past_capture
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster(request: pytest.FixtureRequest) -> None:
     reason = unavailable_reason()
@@ -45,8 +42,4 @@ def slurm_cluster(request: pytest.FixtureRequest) -> None:
         if reason and done.returncode != 0:
             reason = f"{reason}; slurm/local-cluster.sh start said: {(done.stderr or done.stdout).strip()}"
     if reason:
-        message = f"local SLURM not available: {reason}"
-        if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(message + " (HPCTRAIN_REQUIRE_SLURM=1)", pytrace=False)
-        _report(request, f"\nSKIP SLURM tests: {message}")
-        pytest.skip(message)
+        skip_or_fail("slurm", f"local SLURM not available: {reason}", request)

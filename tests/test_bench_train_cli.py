@@ -1,7 +1,11 @@
 """``hpctrain bench train`` runs end to end under mpiexec and prints its table."""
 import json
 
+import pytest
+
 from mpirun import python_argv, run_mpi
+
+pytestmark = pytest.mark.mpi
 
 
 def test_bench_train_one_and_two_ranks(tmp_path):

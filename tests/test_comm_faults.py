@@ -5,6 +5,8 @@ import pytest
 
 from mpirun import ROOT, python_argv, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 SCRIPTS = ROOT / "tests" / "mpi_scripts"
 
 

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
 from mpirun import ROOT, run_mpi
+
+pytestmark = pytest.mark.mpi
 
 HPCTRAIN = [sys.executable, "-m", "hpctrain.cli.main"]
 

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from require import skip_or_fail
+
+pytestmark = pytest.mark.mpi
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV_DIR = Path(os.environ.get("HPCTRAIN_MPIO_ENV") or Path.home() / ".cache" / "hpctrain" / "mpio-env")
-REQUIRED = os.environ.get("HPCTRAIN_REQUIRE_MPIO") == "1"
 
 
 def mpio_env() -> Path:
@@ -25,9 +28,7 @@ def mpio_env() -> Path:
         return ENV_DIR
     why = (f"no parallel-HDF5 environment at {ENV_DIR} (HPCTRAIN_MPIO_ENV); "
            f"build it with tests/mpio/setup-env.sh (about 1-2 min)")
-    if REQUIRED:
-        pytest.fail(f"HPCTRAIN_REQUIRE_MPIO=1 but {why}")
-    pytest.skip(why + "; set HPCTRAIN_REQUIRE_MPIO=1 to make this a failure")
+    skip_or_fail("mpio", why)
 
 
 def run(argv, timeout: float) -> subprocess.CompletedProcess:

@@ -5,6 +5,8 @@ import pytest
 
 from mpirun import python_argv, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 SCRIPTS = Path(__file__).parent / "horovod_scripts"
 
 CASES = [

@@ -8,6 +8,8 @@ import pytest
 
 from mpirun import ROOT, python_argv, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 MPI_DIR = Path(__file__).parent / "mpi"
 
 
@@ -19,15 +21,19 @@ def declared(path: Path, name: str, default):
     return default
 
 
+SLOW_TIMEOUT = 400  # a file that budgets this long (TIMEOUT) is marked slow
+
+
 def cases():
     """Each file at each of its RANKS; and at each of its VARIANT_RANKS once per entry of its
     VARIANTS (name → extra environment), e.g. the fall-back paths without the C extension."""
     for path in sorted(MPI_DIR.glob("test_*.py")):
+        marks = [pytest.mark.slow] if declared(path, "TIMEOUT", 240) >= SLOW_TIMEOUT else []
         for n in declared(path, "RANKS", (1, 2)):
-            yield pytest.param(path, n, {}, id=f"{path.stem}-np{n}")
+            yield pytest.param(path, n, {}, id=f"{path.stem}-np{n}", marks=marks)
         for name, env in declared(path, "VARIANTS", {}).items():
             for n in declared(path, "VARIANT_RANKS", (2,)):
-                yield pytest.param(path, n, env, id=f"{path.stem}-{name}-np{n}")
+                yield pytest.param(path, n, env, id=f"{path.stem}-{name}-np{n}", marks=marks)
 
 
 @pytest.mark.parametrize("path,n,env", list(cases()))

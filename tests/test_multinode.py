@@ -15,6 +15,8 @@ import pytest
 
 from cluster import multinode_cluster, multinode_slurm, python_argv, run_mpi_on_cluster  # noqa: F401 (fixtures)
 
+pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
+
 ROOT_DIR = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT_DIR / "tests" / "cluster" / "scripts"
 
@@ -161,7 +163,7 @@ def _submit_on_cluster(run_dir: Path, name: str, options, command) -> int:
 
     from cluster import slurm_on_cluster
 
-    argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--run-dir", str(run_dir),
+    argv = python_argv("-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--job-dir", str(run_dir),
                        "--venv", _sys.prefix, "--time", "5", "--signal-seconds", "30", "--job-name", name,
                        *options, "--", *command)
     proc = slurm_on_cluster(argv, timeout=60)

@@ -11,6 +11,8 @@ import pytest
 
 from cluster import multinode_cluster, python_argv, run_mpi_on_cluster  # noqa: F401 (fixture)
 
+pytestmark = [pytest.mark.cluster, pytest.mark.mpi, pytest.mark.slow]
+
 SUITES = {
     # id: (file, extra pytest arguments)
     "data_loader": ("tests/mpi/test_data_loader.py", []),

@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mpirun import ROOT, mpi_env, run_mpi
+
+pytestmark = pytest.mark.mpi
 
 HPCTRAIN = str(Path(sys.executable).parent / "hpctrain")
 

@@ -23,6 +23,8 @@ from hpctrain.slurm.nodelist import expand_nodelist
 from hpctrain.slurm.submit import sbatch, wait_for_job
 from slurm_fixture import LOCAL_CLUSTER, ROOT, slurm_cluster  # noqa: F401 (fixture)
 
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
+
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 JOBS = ROOT / "tests" / "slurm_jobs"
@@ -33,7 +35,7 @@ TIMEOUT = 180
 
 def submit(template: str, run_dir: Path, *options: str, command: List[str]) -> int:
     """`hpctrain slurm submit` as a user runs it; returns the job id it printed."""
-    argv = [PY, "-m", "hpctrain.cli.main", "slurm", "submit", template, "--run-dir", str(run_dir),
+    argv = [PY, "-m", "hpctrain.cli.main", "slurm", "submit", template, "--job-dir", str(run_dir),
             "--venv", VENV, "--time", "5", "--signal-seconds", "30", *options, "--", *command]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, f"submit failed:\n{done.stderr}"

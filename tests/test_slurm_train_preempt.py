@@ -18,6 +18,8 @@ from hpctrain.slurm.submit import wait_for_job
 from hpctrain.train.checkpoint import newest_valid
 from slurm_fixture import ROOT, slurm_cluster  # noqa: F401 (fixture)
 
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow]
+
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 PY = sys.executable
 HPCTRAIN = str(Path(PY).parent / "hpctrain")
@@ -43,7 +45,7 @@ def make_config(d: Path) -> Path:
 
 
 def submit(run_dir: Path, config: Path, name: str) -> int:
-    argv = [PY, "-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--run-dir", str(run_dir),
+    argv = [PY, "-m", "hpctrain.cli.main", "slurm", "submit", "cpu-mpi", "--job-dir", str(run_dir),
             "--venv", sys.prefix, "--time", "5", "--signal-seconds", "30", "--nodes", "1",
             "--tasks-per-node", "2", "--job-name", name, "--",
             HPCTRAIN, "train", str(config), "--set", f"run_dir={run_dir / 'run'}", "--resume", "auto"]

@@ -4,7 +4,11 @@ of being unmapped and faulted in again on the next allocation."""
 import re
 import subprocess
 
+import pytest
+
 from mpirun import ROOT, mpi_env, mpiexec_argv, python_argv
+
+pytestmark = pytest.mark.mpi
 
 SCRIPT = r"""
 import ctypes, resource

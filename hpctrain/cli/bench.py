@@ -22,19 +22,27 @@ EPILOG = """examples:
 """
 
 
+class _BenchParser(argparse.ArgumentParser):
+    """One benchmark's parser. Its module (torch and all) is imported when this parser is
+    used, not when `hpctrain bench --help` lists the benchmarks."""
+
+    bench_module = ""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self.bench_module:
+            module = importlib.import_module(self.bench_module)
+            self.bench_module = ""
+            self.description = module.__doc__
+            module.add_arguments(self)
+            self.set_defaults(func=module.run)
+        return super().parse_known_args(args, namespace)
+
+
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("bench", help=help_text, description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    inner = p.add_subparsers(dest="bench", metavar="WHAT")
+    inner = p.add_subparsers(dest="bench", metavar="WHAT", parser_class=_BenchParser)
     for name, text in BENCHES.items():
-        try:
-            module = importlib.import_module(f"hpctrain.bench.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"hpctrain.bench.{name}":
-                raise
-            continue
-        q = inner.add_parser(name, help=text, description=module.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(q)
-        q.set_defaults(func=module.run)
+        q = inner.add_parser(name, help=text, formatter_class=argparse.RawDescriptionHelpFormatter)
+        q.bench_module = f"hpctrain.bench.{name}"
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -11,8 +11,9 @@ import importlib
 import sys
 from typing import List, Optional
 
-# verb -> (module, one-line help). Modules are imported lazily so `hpctrain --help` is fast
-# and a verb whose optional dependency is missing does not break the others.
+# verb -> (module, one-line help). Only the module of the verb asked for is imported, so that
+# `hpctrain --help` is fast and a verb whose optional dependency is missing does not break
+# the others.
 VERBS = {
     "launch": ("hpctrain.cli.launch", "run a command on N ranks with this machine's mpiexec"),
     "bench": ("hpctrain.cli.bench", "benchmarks: allreduce, train, data, pipeline"),
@@ -32,7 +33,10 @@ EPILOG = """examples:
 """
 
 
-def build_parser(verbs: Optional[List[str]] = None) -> argparse.ArgumentParser:
+def build_parser(verb: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser with ``verb``'s module imported and registered; every other verb (all of
+    them when ``verb`` is None: ``hpctrain --help``) is listed by name and help text only, so
+    that nothing of a verb (torch, mpi4py, h5py) loads before it is asked for."""
     parser = argparse.ArgumentParser(
         prog="hpctrain",
         description="Train PyTorch models on HPC clusters over MPI.",
@@ -43,33 +47,31 @@ def build_parser(verbs: Optional[List[str]] = None) -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for verb in verbs or VERBS:
-        module_name, help_text = VERBS[verb]
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # verb not built yet
-        module.register(sub, help_text)
+    for name, (module_name, help_text) in VERBS.items():
+        if name == verb:
+            importlib.import_module(module_name).register(sub, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Import only the verb asked for (plus nothing else) when it is known.
-    verbs = [argv[0]] if argv and argv[0] in VERBS else None
-    parser = build_parser(verbs)
+    parser = build_parser(argv[0] if argv and argv[0] in VERBS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     from hpctrain.comm.abort import run_or_abort
+    from hpctrain.extras import MissingExtraError
     from hpctrain.malloc_tuning import tune_this_process
 
     tune_this_process()
-
-    return run_or_abort(args.func, args)
+    try:
+        return run_or_abort(args.func, args)
+    except MissingExtraError as exc:
+        print(f"hpctrain {args.verb}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("selfcheck", help=help_text, description=__doc__,
@@ -21,6 +19,8 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 def check_all(comm) -> list:
     """Return the list of (algorithm, dtype, length) that disagree with MPI_Allreduce."""
+    import numpy as np
+
     n, r = comm.size(), comm.rank()
     bad = []
     for algo in comm.ALGORITHMS:
@@ -35,6 +35,8 @@ def check_all(comm) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from hpctrain import comm
 
     comm.init()

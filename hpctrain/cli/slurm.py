@@ -2,7 +2,7 @@
 
   hpctrain slurm list                                  templates, their options and defaults
   hpctrain slurm render TEMPLATE [OPTIONS] -- COMMAND…  print the script
-  hpctrain slurm submit TEMPLATE [OPTIONS] -- COMMAND…  write it into the run directory, sbatch it,
+  hpctrain slurm submit TEMPLATE [OPTIONS] -- COMMAND…  write it into the job directory, sbatch it,
                                                        print the job id
   hpctrain slurm env                                   this process's view of its SLURM job
 
@@ -26,7 +26,7 @@ EXAMPLES = """examples:
       --partition batch --account proj42 -- hpctrain train examples/digits.yaml
   hpctrain slurm render gpu-multi-node --nodes 4 --gpus-per-node 8 --cpus-per-task 12 \\
       --module cuda/12.4 --venv ~/venvs/hpc -- hpctrain train config.yaml
-  hpctrain slurm submit cpu-mpi --launcher mpirun --run-dir runs/try1 -- hpctrain selfcheck
+  hpctrain slurm submit cpu-mpi --launcher mpirun --job-dir runs/try1 -- hpctrain selfcheck
   hpctrain slurm render data-shard-array --array 0-15 -- hpctrain data shard raw/part{task}.h5 --num-shards 8 --out shards/part{task}
 """
 
@@ -37,8 +37,13 @@ class UsageError(ValueError):
 
 class _OptionParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit(2)
-        valid = " ".join(sorted({s for a in self._actions for s in a.option_strings if s.startswith("--")}))
+        valid = " ".join(sorted(_long_options(self)))
         raise UsageError(f"{message}\nvalid options: {valid}\nHINT: hpctrain slurm {self.prog.split()[-1]} --help")
+
+
+def _long_options(parser: argparse.ArgumentParser) -> List[str]:
+    """The documented --options (hidden aliases left out)."""
+    return [s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings if s.startswith("--")]
 
 
 def _export(text: str) -> Tuple[str, str]:
@@ -53,7 +58,8 @@ def option_parser(action: str) -> argparse.ArgumentParser:
     p = _OptionParser(
         prog=f"hpctrain slurm {action}",
         usage=f"hpctrain slurm {action} TEMPLATE [OPTIONS] -- COMMAND…",
-        description="Options left out take the template's defaults (see `hpctrain slurm list`).",
+        description="TEMPLATE is a template name (see `hpctrain slurm list`) or the path of a template "
+                    "file. Options left out take the template's defaults.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -92,7 +98,9 @@ def option_parser(action: str) -> argparse.ArgumentParser:
     if action == "render":
         p.add_argument("-o", "--out", help="write the script to this file instead of stdout")
     if action == "submit":
-        p.add_argument("--run-dir", help="where the script and logs go (default runs/<job name>)")
+        p.add_argument("--job-dir", help="where the script and the job's logs go (default runs/<job name>)")
+        # The old name, easily mistaken for the training config's run_dir.
+        p.add_argument("--run-dir", dest="legacy_run_dir", help=argparse.SUPPRESS)
         p.add_argument("--dry-run", action="store_true", help="write the script, do not call sbatch")
     return p
 
@@ -109,7 +117,7 @@ def split_command(words: Sequence[str]) -> Tuple[List[str], List[str]]:
 def build_spec(template: str, options: argparse.Namespace, command: Sequence[str], overrides: Optional[Dict[str, Any]] = None):
     from hpctrain.slurm.render import current_venv, make_spec
 
-    values = {k: v for k, v in vars(options).items() if k not in ("out", "run_dir", "dry_run")}
+    values = {k: v for k, v in vars(options).items() if k not in ("out", "job_dir", "legacy_run_dir", "dry_run")}
     venv = values.pop("venv")
     values["venv"] = current_venv() if venv == "auto" else (None if venv in ("none", "") else str(Path(venv).expanduser()))
     values.update(overrides or {})
@@ -125,8 +133,7 @@ def _parse(action: str, argv: Sequence[str]) -> Tuple[argparse.Namespace, List[s
     ns, extra = parser.parse_known_args(opts)
     stray = [w for w in extra if w.startswith("-")]
     if stray:
-        known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-        close = difflib.get_close_matches(stray[0].split("=")[0], known, n=1)
+        close = difflib.get_close_matches(stray[0].split("=")[0], _long_options(parser), n=1)
         parser.error(f"unknown option(s): {' '.join(stray)}" + (f" (did you mean {close[0]}?)" if close else ""))
     if extra:
         parser.error(f"unexpected {' '.join(extra)!r}; put the command after `--`")
@@ -171,23 +178,35 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_dir_option(ns: argparse.Namespace) -> Optional[str]:
+    """--job-dir, or the deprecated --run-dir with a warning."""
+    if ns.legacy_run_dir is None:
+        return ns.job_dir
+    if ns.job_dir is not None and ns.job_dir != ns.legacy_run_dir:
+        raise UsageError(f"--job-dir {ns.job_dir!r} and --run-dir {ns.legacy_run_dir!r} disagree; "
+                         "HINT: give only --job-dir (--run-dir is its old name)")
+    print("hpctrain slurm submit: warning: --run-dir is deprecated, use --job-dir (the folder of the "
+          "script and the job's logs, not the training config's run_dir)", file=sys.stderr)
+    return ns.legacy_run_dir
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpctrain.slurm.render import TEMPLATES, render
     from hpctrain.slurm.submit import sbatch
 
     ns, command = _parse("submit", args.args)
     spec = build_spec(args.template, ns, command)
-    run_dir = Path(ns.run_dir or Path("runs") / _safe_name(spec.job_name)).expanduser().resolve()
+    job_dir = Path(_job_dir_option(ns) or Path("runs") / _safe_name(spec.job_name)).expanduser().resolve()
     info = TEMPLATES.get(args.template)
     pattern = "%A_%a" if info and info.array_placeholders else "%j"
     overrides = {}
     if ns.output is None:
-        overrides["output"] = str(run_dir / f"slurm-{pattern}.out")
+        overrides["output"] = str(job_dir / f"slurm-{pattern}.out")
     if ns.error is None:
-        overrides["error"] = str(run_dir / f"slurm-{pattern}.err")
+        overrides["error"] = str(job_dir / f"slurm-{pattern}.err")
     spec = build_spec(args.template, ns, command, overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    script = run_dir / f"{_safe_name(spec.job_name)}.sbatch"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    script = job_dir / f"{_safe_name(spec.job_name)}.sbatch"
     script.write_text(render(args.template, spec))
     if ns.dry_run:
         print(f"hpctrain slurm: wrote {script} (dry run, not submitted)", file=sys.stderr)
@@ -210,6 +229,17 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OptionsHelp(argparse.Action):
+    """-h/--help of render and submit: option_parser's help, then exit."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+        option_parser(parser.prog.split()[-1]).print_help()
+        parser.exit()
+
+
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser(
         "slurm", help=help_text, description=__doc__, epilog=EXAMPLES,
@@ -219,13 +249,11 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     q = ssub.add_parser("list", help="list the templates, their options and defaults")
     q.set_defaults(slurm_func=cmd_list)
     for name, func, what in (("render", cmd_render, "print the sbatch script"),
-                             ("submit", cmd_submit, "write the script into the run directory and sbatch it")):
-        q = ssub.add_parser(
-            name, help=what,
-            usage=f"hpctrain slurm {name} TEMPLATE [OPTIONS] -- COMMAND…",
-            description=f"{what}.\n\n" + option_parser(name).format_help(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+                             ("submit", cmd_submit, "write the script into the job directory and sbatch it")):
+        # The options are parsed by option_parser (after TEMPLATE, up to `--`), so its help is
+        # the help of this command: argparse's own would only show TEMPLATE and ARGS.
+        q = ssub.add_parser(name, help=what, add_help=False, usage=f"hpctrain slurm {name} TEMPLATE [OPTIONS] -- COMMAND…")
+        q.add_argument("-h", "--help", action=_OptionsHelp, help=argparse.SUPPRESS)
         q.add_argument("template", help="template name (hpctrain slurm list) or path to a template file")
         q.add_argument("args", nargs=argparse.REMAINDER, help="options, then -- COMMAND…")
         q.set_defaults(slurm_func=func)

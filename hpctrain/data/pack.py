@@ -23,6 +23,7 @@ from hpctrain.data.errors import (
 from hpctrain.data.h5files import (
     CHECKSUM_ATTR, FORMAT_ATTR, NUMERIC_KINDS, array_checksum, atomic_output, json_attr, progress_bar,
 )
+from hpctrain.extras import require
 
 DIGITS = ("digits", "sklearn:digits")
 COMPRESSIONS = ("none", "gzip", "lzf")
@@ -47,10 +48,10 @@ def _check_readable(path: str) -> None:
 
 
 def load_digits_arrays() -> Dict[str, np.ndarray]:
-    """The scikit-learn digits set (1797 8x8 images, shipped with scikit-learn, no download)."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    """The scikit-learn digits set (1797 8x8 images, shipped with scikit-learn, no download;
+    ``pip install 'hpctrain[examples]'``)."""
+    datasets = require("sklearn.datasets", "the digits dataset")
+    d = datasets.load_digits()
     return {"x": d.data.astype(np.float32), "y": d.target.astype(np.int64)}
 
 

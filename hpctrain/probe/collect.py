@@ -1,5 +1,5 @@
-"""Collect one rank's facts: GPUs (NVML, then torch.cuda, then ``nvidia-smi``), CPUs, RAM,
-disks, MPI, launcher, SLURM allocation, interconnect.
+"""Collect one rank's facts: GPUs (NVML, then torch.cuda), CPUs, RAM, disks, MPI, launcher,
+SLURM allocation, interconnect.
 
 Every collector tolerates absence: no GPU, no NVML library, no SLURM, no InfiniBand are
 normal and end up as empty facts with a note saying why. The parsers (``parse_*``,
@@ -14,7 +14,6 @@ import platform
 import re
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -23,10 +22,6 @@ from .facts import (CpuFacts, DiskFacts, GpuFacts, GpuInventory, InfinibandPort,
                     MpiFacts, NetInterface, NetworkFacts, NumaNode, RankFacts, SlurmFacts)
 
 log = logging.getLogger("hpctrain.probe")
-
-NVIDIA_SMI_FIELDS = ("index", "name", "uuid", "memory.total", "memory.free", "pci.bus_id", "compute_cap",
-                     "driver_version")
-
 
 # --------------------------------------------------------------------------- pure parsers
 def parse_cpulist(text: str) -> Tuple[int, ...]:
@@ -93,46 +88,6 @@ def resolve_visible(tokens: Optional[Sequence[str]], gpus: Sequence[GpuFacts]) -
             notes.append(f"CUDA_VISIBLE_DEVICES entry {tok!r} is a MIG instance; its memory is not the GPU's")
             return None, notes
     return tuple(out), notes
-
-
-def _na(text: str) -> Optional[str]:
-    text = text.strip()
-    if not text or text.startswith("[") or text in ("N/A", "Not Supported"):
-        return None
-    return text
-
-
-def parse_nvidia_smi_csv(text: str, fields: Sequence[str] = NVIDIA_SMI_FIELDS) -> Tuple[List[GpuFacts], Optional[str]]:
-    """Parse ``nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits`` output.
-    Memory fields are MiB. Returns the GPUs and the driver version."""
-    gpus: List[GpuFacts] = []
-    driver: Optional[str] = None
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(fields):
-            raise ValueError(
-                f"nvidia-smi line {lineno} has {len(cells)} fields, expected {len(fields)} ({', '.join(fields)}): {line!r}"
-            )
-        row = dict(zip(fields, cells))
-
-        def mib(key: str) -> Optional[int]:
-            v = _na(row.get(key, ""))
-            return int(float(v) * 1024 * 1024) if v is not None else None
-
-        index = _na(row.get("index", ""))
-        gpus.append(GpuFacts(
-            index=int(index) if index is not None else len(gpus),
-            name=_na(row.get("name", "")) or "unknown GPU",
-            memory_total=mib("memory.total"),
-            memory_free=mib("memory.free"),
-            uuid=_na(row.get("uuid", "")),
-            pci_bus_id=_na(row.get("pci.bus_id", "")),
-            compute_capability=_na(row.get("compute_cap", "")),
-        ))
-        driver = driver or _na(row.get("driver_version", ""))
-    return gpus, driver
 
 
 MPI_PATTERNS = (
@@ -471,27 +426,9 @@ def _torch_gpus() -> Tuple[List[GpuFacts], List[str]]:
     return gpus, ["GPU facts from torch.cuda (free memory not read: that would create a CUDA context per GPU)"]
 
 
-def _nvidia_smi_gpus(timeout: float = 20.0) -> Tuple[List[GpuFacts], Optional[str], List[str]]:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        raise FileNotFoundError("nvidia-smi not on PATH")
-    fields = list(NVIDIA_SMI_FIELDS)
-    for attempt in range(2):
-        out = subprocess.run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=timeout)
-        if out.returncode == 0:
-            gpus, driver = parse_nvidia_smi_csv(out.stdout, fields)
-            return gpus, driver, ["GPU facts from nvidia-smi (no topology)"]
-        if "compute_cap" in fields and "compute_cap" in (out.stdout + out.stderr):
-            fields.remove("compute_cap")  # older drivers do not know this field
-            continue
-        raise RuntimeError(f"nvidia-smi failed (rc={out.returncode}): {(out.stderr or out.stdout).strip()[:200]}")
-    raise RuntimeError("nvidia-smi failed")
-
-
 def collect_gpus(env: Optional[Mapping[str, str]] = None) -> GpuInventory:
-    """GPUs of this node through NVML, else torch.cuda, else nvidia-smi. Never raises:
-    no GPU is a normal answer."""
+    """GPUs of this node through NVML (nvidia-ml-py: the library nvidia-smi itself uses), else
+    torch.cuda. Never raises: no GPU is a normal answer."""
     env = os.environ if env is None else env
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     tokens = parse_cuda_visible_devices(cvd)
@@ -525,13 +462,6 @@ def collect_gpus(env: Optional[Mapping[str, str]] = None) -> GpuInventory:
                                 **common)
         except Exception as exc:  # noqa: BLE001
             notes.append(f"torch.cuda: {type(exc).__name__}: {exc}")
-    try:
-        gpus, driver, s_notes = _nvidia_smi_gpus()
-        visible, vis_notes = resolve_visible(tokens, gpus)
-        return GpuInventory(tuple(gpus), visible, source="nvidia-smi", driver_version=driver,
-                            notes=tuple(notes + s_notes + vis_notes), **common)
-    except Exception as exc:  # noqa: BLE001
-        notes.append(f"nvidia-smi: {type(exc).__name__}: {exc}")
     return GpuInventory(source="none", notes=tuple(notes), **common)
 
 

@@ -46,7 +46,7 @@ class GpuInventory:
     torch_cuda_version: Optional[str] = None  # CUDA runtime torch was built with
     torch_cuda_available: bool = False
     torch_device_count: int = 0
-    source: str = "none"  # "nvml", "torch", "nvidia-smi" or "none"
+    source: str = "none"  # "nvml", "torch" or "none"
     notes: Tuple[str, ...] = ()
 
     @property

@@ -6,10 +6,10 @@ template cannot forget to. The only unquoted insertions are :class:`Shell` value
 this module builds from quoted parts (the command line). Values that would break out of an
 ``#SBATCH`` comment line (newlines, other control characters) are rejected, not quoted.
 
-The templates live in ``hpctrain/templates/`` (installed with the package); the top-level
-``slurm/`` folder of the source tree holds identical copies for people browsing the
-repository (a unit test keeps them identical). A path to any other file renders that file
-as a custom template with the same variables.
+The templates are the ``*.sbatch`` files of the top-level ``slurm/`` folder, installed as the
+package ``hpctrain.templates`` and read through :mod:`importlib.resources`, so an editable
+install and a wheel render the same files. A path to any other file renders that file as a
+custom template with the same variables (it may include the shipped ``_*.sbatch`` parts).
 """
 from __future__ import annotations
 
@@ -17,15 +17,19 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field, fields, replace
+from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 __all__ = [
     "JobSpec",
     "Shell",
     "TemplateInfo",
     "TEMPLATES",
-    "TEMPLATE_DIR",
+    "template_files",
     "render",
     "make_spec",
     "quote_command",
@@ -33,7 +37,7 @@ __all__ = [
     "parse_time_limit",
 ]
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATE_PACKAGE = "hpctrain.templates"
 LAUNCHERS = ("srun", "mpirun", "none")
 
 # Placeholders in the command of an array job, replaced by the array variables at run time.
@@ -230,8 +234,13 @@ class TemplateInfo:
     fixed: Mapping[str, Any] = field(default_factory=dict)  # values a user may not change
     array_placeholders: bool = False
 
-    def file(self) -> Path:
-        return TEMPLATE_DIR / f"{self.name}.sbatch"
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.sbatch"
+
+    def file(self) -> Traversable:
+        """Where the installed template is (a path for every install made by pip)."""
+        return template_files() / self.filename
 
 
 _COMMON = ("job_name", "time", "partition", "account", "qos", "mem", "constraint", "output",
@@ -274,7 +283,12 @@ TEMPLATES: Dict[str, TemplateInfo] = {
 }
 
 
-def template_path(name_or_path: str) -> Path:
+def template_files() -> Traversable:
+    """The installed templates folder (package ``hpctrain.templates``)."""
+    return resources.files(TEMPLATE_PACKAGE)
+
+
+def template_path(name_or_path: str) -> Traversable:
     """The file of a shipped template name, or ``name_or_path`` itself when it is a file."""
     if name_or_path in TEMPLATES:
         return TEMPLATES[name_or_path].file()
@@ -320,11 +334,17 @@ def make_spec(template: str, command: Sequence[str], **options: Any) -> JobSpec:
     return JobSpec(command=tuple(command), **values)
 
 
+def _load_shipped(name: str) -> Optional[str]:
+    """Jinja's loader: a shipped template or part (``{% include "_header.sbatch" %}``)."""
+    file = template_files() / name
+    return file.read_text() if file.is_file() else None
+
+
 def _environment():
     import jinja2
 
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(TEMPLATE_DIR)]),
+        loader=jinja2.FunctionLoader(_load_shipped),
         finalize=_finalize,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -340,11 +360,8 @@ def render(template: str, spec: JobSpec) -> str:
 
     path = template_path(template)
     env = _environment()
-    if path.parent.resolve() == TEMPLATE_DIR:
-        tmpl = env.get_template(path.name)
-    else:
-        tmpl = env.from_string(path.read_text())
     info = TEMPLATES.get(template)
+    tmpl = env.get_template(info.filename) if info else env.from_string(path.read_text())
     placeholders = ARRAY_PLACEHOLDERS if (info and info.array_placeholders) or spec.array else None
     context: Dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(spec)}
     context.update(

@@ -10,7 +10,9 @@ Reads ``metrics.jsonl`` (and ``summary.json`` when present) and writes, under
 - ``rank_step_time.png`` — each rank's step time over the run (stragglers stand out);
 - ``summary.txt`` — the numbers a person wants first.
 
-Plots use matplotlib's Agg backend (no display needed).
+Plots are drawn on figures of their own with matplotlib's Agg canvas (no display needed, and
+the caller's matplotlib backend and settings are left alone). matplotlib is an optional
+dependency: ``pip install 'hpctrain[report]'``.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from hpctrain.extras import require
 from hpctrain.train.metrics import read_metrics
 
 
@@ -119,13 +122,117 @@ def render_summary(s: Dict[str, Any], run_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _figure(size):
+    """A figure of its own (matplotlib.figure.Figure on the Agg canvas): no pyplot, so the
+    caller's backend, figure list and rcParams stay as they were."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _plot_loss(train: List[Dict[str, Any]], evals: List[Dict[str, Any]], s: Dict[str, Any], path: Path) -> Path:
+    steps = [r["step"] for r in train]
+    fig, ax = _figure((9, 5.4))
+    ax.plot(steps, [r["loss"] for r in train], color="tab:blue", alpha=0.35, lw=1, label="training loss (per step)")
+    ax.plot(steps, _moving_average([r["loss"] for r in train], max(1, len(train) // 50)), color="tab:blue", lw=2,
+            label="training loss (moving average)")
+    if evals and any(e.get("test_loss") is not None for e in evals):
+        ax.plot([e["step"] for e in evals], [e.get("test_loss") for e in evals], "o-", color="tab:orange", lw=2,
+                label="test loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    handles, labels = ax.get_legend_handles_labels()
+    title = "Loss"
+    if evals and any(e.get("test_accuracy") is not None for e in evals):
+        ax2 = ax.twinx()
+        ax2.grid(False)
+        ax2.plot([e["step"] for e in evals], [e.get("test_accuracy") for e in evals], "s-", color="tab:green", lw=2,
+                 label="test accuracy")
+        ax2.set_ylabel("test accuracy", color="tab:green")
+        ax2.set_ylim(0, 1.02)
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+        acc = s.get("test_accuracy")
+        title = f"Loss and accuracy — final test accuracy {acc:.3f}" if acc is not None else "Loss and accuracy"
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(handles), fontsize=9,
+              frameon=False)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def _plot_throughput(train: List[Dict[str, Any]], s: Dict[str, Any], path: Path) -> Path:
+    steps = [r["step"] for r in train]
+    fig, ax = _figure((9, 4.5))
+    tput = [r.get("samples_per_s") or 0.0 for r in train]
+    ax.plot(steps, tput, color="tab:purple", alpha=0.35, lw=1, label="per step")
+    ax.plot(steps, _moving_average(tput, max(1, len(train) // 50)), color="tab:purple", lw=2, label="moving average")
+    if s["mean_samples_per_s"]:
+        ax.axhline(s["mean_samples_per_s"], color="k", ls="--", lw=1,
+                   label=f"mean {s['mean_samples_per_s']:.0f} samples/s")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("samples / s (all ranks)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Throughput on {s['ranks']} rank(s)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=9, frameon=False)
+    return _save(fig, path)
+
+
+def _plot_compute_comm(s: Dict[str, Any], path: Path) -> Path:
+    pr = s["per_rank"]
+    fig, ax = _figure((max(6, 1.2 * s["ranks"] + 4), 4.8))
+    parts = [("data_wait", "data wait", "tab:gray"), ("forward", "forward", "tab:blue"),
+             ("backward", "backward", "tab:cyan"), ("comm", "communication", "tab:red"),
+             ("optimizer", "optimizer", "tab:olive")]
+    ranks = list(range(s["ranks"]))
+    bottom = [0.0] * len(ranks)
+    for key, label, color in parts:
+        vals = [v * 1e3 for v in pr[key]]
+        ax.bar([str(r) for r in ranks], vals, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("rank")
+    ax.set_ylabel("mean time per step (ms)")
+    ax.set_title("Where each rank's step time goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, path)
+
+
+def _plot_rank_step_time(train: List[Dict[str, Any]], s: Dict[str, Any], path: Path) -> Path:
+    steps = [r["step"] for r in train]
+    fig, ax = _figure((9, 4.5))
+    window = max(1, len(train) // 50)
+    for r in range(s["ranks"]):
+        series = [rec["rank_step_time"][r] * 1e3 for rec in train if len(rec.get("rank_step_time", [])) > r]
+        busy = [(rec["rank_step_time"][r] - rec["rank_comm"][r]) * 1e3 for rec in train
+                if len(rec.get("rank_step_time", [])) > r]
+        line, = ax.plot(steps[:len(series)], _moving_average(series, window), lw=2, label=f"rank {r} step")
+        ax.plot(steps[:len(busy)], _moving_average(busy, window), lw=1, ls="--", color=line.get_color(),
+                label=f"rank {r} busy (step - comm)")
+    for r in s["stragglers"]:
+        ax.annotate(f"straggler: rank {r}", xy=(0.02, 0.92 - 0.07 * r), xycoords="axes fraction", color="tab:red")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"ms (moving average of {window})")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Per-rank step time")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    return _save(fig, path)
+
+
 def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]:
-    """Write the PNGs and summary.txt; return ``{"summary": dict, "text": str, "files": [paths]}``."""
-    import matplotlib
+    """Write the PNGs and summary.txt; return ``{"summary": dict, "text": str, "files": [paths]}``.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    Needs matplotlib (``pip install 'hpctrain[report]'``); leaves matplotlib's global state
+    (backend, rcParams, pyplot's figures) as it found it."""
+    matplotlib = require("matplotlib", "hpctrain report (the plots of a run)")
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
@@ -143,105 +250,11 @@ def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]
     out.mkdir(parents=True, exist_ok=True)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
-    steps = [r["step"] for r in train]
-    files: List[Path] = []
-    plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3})
-
-    # 1. loss and accuracy
-    fig, ax = plt.subplots(figsize=(9, 5.4))
-    ax.plot(steps, [r["loss"] for r in train], color="tab:blue", alpha=0.35, lw=1, label="training loss (per step)")
-    ax.plot(steps, _moving_average([r["loss"] for r in train], max(1, len(train) // 50)), color="tab:blue", lw=2,
-            label="training loss (moving average)")
-    if evals and any(e.get("test_loss") is not None for e in evals):
-        ax.plot([e["step"] for e in evals], [e.get("test_loss") for e in evals], "o-", color="tab:orange", lw=2,
-                label="test loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_yscale("log")
-    handles, labels = ax.get_legend_handles_labels()
-    if evals and any(e.get("test_accuracy") is not None for e in evals):
-        ax2 = ax.twinx()
-        ax2.grid(False)
-        ax2.plot([e["step"] for e in evals], [e.get("test_accuracy") for e in evals], "s-", color="tab:green", lw=2,
-                 label="test accuracy")
-        ax2.set_ylabel("test accuracy", color="tab:green")
-        ax2.set_ylim(0, 1.02)
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-        acc = s.get("test_accuracy")
-        title = f"Loss and accuracy — final test accuracy {acc:.3f}" if acc is not None else "Loss and accuracy"
-    else:
-        title = "Loss"
-    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(handles), fontsize=9,
-              frameon=False)
-    ax.set_title(title)
-    fig.tight_layout()
-    files.append(out / "loss.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
-
-    # 2. throughput
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    tput = [r.get("samples_per_s") or 0.0 for r in train]
-    ax.plot(steps, tput, color="tab:purple", alpha=0.35, lw=1, label="per step")
-    ax.plot(steps, _moving_average(tput, max(1, len(train) // 50)), color="tab:purple", lw=2, label="moving average")
-    if s["mean_samples_per_s"]:
-        ax.axhline(s["mean_samples_per_s"], color="k", ls="--", lw=1,
-                   label=f"mean {s['mean_samples_per_s']:.0f} samples/s")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("samples / s (all ranks)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"Throughput on {s['ranks']} rank(s)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=9, frameon=False)
-    fig.tight_layout()
-    files.append(out / "throughput.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
-
-    # 3. compute vs communication per rank
-    pr = s["per_rank"]
-    if pr.get("step_time"):
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * s["ranks"] + 4), 4.8))
-        parts = [("data_wait", "data wait", "tab:gray"), ("forward", "forward", "tab:blue"),
-                 ("backward", "backward", "tab:cyan"), ("comm", "communication", "tab:red"),
-                 ("optimizer", "optimizer", "tab:olive")]
-        ranks = list(range(s["ranks"]))
-        bottom = [0.0] * len(ranks)
-        for key, label, color in parts:
-            vals = [v * 1e3 for v in pr[key]]
-            ax.bar([str(r) for r in ranks], vals, bottom=bottom, label=label, color=color)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xlabel("rank")
-        ax.set_ylabel("mean time per step (ms)")
-        ax.set_title("Where each rank's step time goes")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        files.append(out / "compute_comm.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
-
-        # 4. per-rank step time over the run
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        window = max(1, len(train) // 50)
-        for r in ranks:
-            series = [rec["rank_step_time"][r] * 1e3 for rec in train if len(rec.get("rank_step_time", [])) > r]
-            busy = [(rec["rank_step_time"][r] - rec["rank_comm"][r]) * 1e3 for rec in train
-                    if len(rec.get("rank_step_time", [])) > r]
-            line, = ax.plot(steps[:len(series)], _moving_average(series, window), lw=2, label=f"rank {r} step")
-            ax.plot(steps[:len(busy)], _moving_average(busy, window), lw=1, ls="--", color=line.get_color(),
-                    label=f"rank {r} busy (step - comm)")
-        for r in s["stragglers"]:
-            ax.annotate(f"straggler: rank {r}", xy=(0.02, 0.92 - 0.07 * r), xycoords="axes fraction", color="tab:red")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"ms (moving average of {window})")
-        ax.set_ylim(bottom=0)
-        ax.set_title("Per-rank step time")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-        fig.tight_layout()
-        files.append(out / "rank_step_time.png")
-        fig.savefig(files[-1], dpi=110)
-        plt.close(fig)
-
+    with matplotlib.rc_context({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3}):
+        files = [_plot_loss(train, evals, s, out / "loss.png"), _plot_throughput(train, s, out / "throughput.png")]
+        if s["per_rank"].get("step_time"):
+            files.append(_plot_compute_comm(s, out / "compute_comm.png"))
+            files.append(_plot_rank_step_time(train, s, out / "rank_step_time.png"))
     text = render_summary(s, str(run_dir))
     (out / "summary.txt").write_text(text)
     files.append(out / "summary.txt")

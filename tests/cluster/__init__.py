@@ -31,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
-from mpirun import report_past_capture
+import require
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -42,25 +42,13 @@ SLURM_CLUSTER_SH = HERE / "slurm-cluster.sh"
 STATE_DIR = Path(os.environ.get("HPCTRAIN_CLUSTER_DIR", "/run/hpctrain-cluster"))
 SLURM_CONF = STATE_DIR / "slurm" / "slurm.conf"
 NODES_NEEDED = 3  # the tests use 2 × 2 (node1, node2) and 3 × 1 (node1..node3)
-REQUIRE_VAR = "HPCTRAIN_REQUIRE_MULTINODE"
 
 _HOSTS_ITEM = re.compile(r"^(node[1-9][0-9]?)(?::([1-9][0-9]*))?$")
 
 
-_report = report_past_capture
-
-
-def require_multinode() -> bool:
-    """True when the multi-node tests must run (``HPCTRAIN_REQUIRE_MULTINODE=1``, set by CI)."""
-    return os.environ.get(REQUIRE_VAR, "") == "1"
-
-
 def skip_or_fail(reason: str, request: Optional[pytest.FixtureRequest] = None) -> None:
     """Skip the calling test with ``reason``, or fail it when multi-node runs are required."""
-    if require_multinode():
-        pytest.fail(f"multi-node cluster required ({REQUIRE_VAR}=1) but unavailable: {reason}", pytrace=False)
-    _report(request, f"\nSKIP multi-node tests: {reason}")
-    pytest.skip(f"multi-node cluster unavailable: {reason}")
+    require.skip_or_fail("multinode", f"multi-node cluster unavailable: {reason}", request)
 
 
 def _mpiexec() -> str:

@@ -5,6 +5,7 @@
 #   tests/cluster/slurm-cluster.sh stop
 #   tests/cluster/slurm-cluster.sh status               exit 0 when every node answers
 #   tests/cluster/slurm-cluster.sh env                  print `export SLURM_CONF=…` for clients
+#   tests/cluster/slurm-cluster.sh conf [--nodes N]     print the slurm.conf that start writes
 #
 # Usually called as `cluster.sh start --nodes N --slurm`; `cluster.sh stop` stops it too.
 # It lives beside a single-node SLURM (slurm/local-cluster.sh) and never touches /etc/slurm:
@@ -16,6 +17,9 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The slurm.conf writer shared with slurm/local-cluster.sh.
+# shellcheck source=slurm/slurm-conf.sh
+source "$HERE/../../slurm/slurm-conf.sh"
 STATE="${HPCTRAIN_CLUSTER_DIR:-/run/hpctrain-cluster}"
 SDIR="$STATE/slurm"
 CONF="$SDIR/slurm.conf"
@@ -89,39 +93,15 @@ render_conf() {
   local n=$1 mem_mb
   # Every "node" is this machine: split its memory between them.
   mem_mb=$(awk -v n="$n" '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9 / n}' /proc/meminfo)
-  cat <<EOF
-# written by hpctrain tests/cluster/slurm-cluster.sh — a multi-node test cluster on one machine
-ClusterName=hpctrain-multi
-SlurmctldHost=node1(10.99.0.1)
-SlurmUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# Its own munged; fast requeue for tests (cred_expire needs a slurmctld restart to change).
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
-SchedulerParameters=sched_interval=2,bf_interval=1
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmdParameters=config_overrides
-MpiDefault=none
-ReturnToService=2
-KillWait=5
-MinJobAge=300
-StateSaveLocation=$SDIR/ctld
-SlurmctldPidFile=$CTLD_PID
-SlurmctldLogFile=$SDIR/log/slurmctld.log
-# Per-node paths (%n = node name): every "node" shares this machine's file systems. Two
-# slurmds sharing TmpFS make PMIx fail ("Cannot create client cli tmpdir … File exists").
-SlurmdSpoolDir=$SDIR/spool/%n
-SlurmdPidFile=$SDIR/slurmd.%n.pid
-SlurmdLogFile=$SDIR/log/slurmd.%n.log
-TmpFS=$SDIR/tmp/%n
-NodeName=node[1-$n] NodeAddr=10.99.0.[1-$n] CPUs=$CPUS_PER_NODE RealMemory=$mem_mb State=UNKNOWN
-PartitionName=$PARTITION Nodes=node[1-$n] Default=YES MaxTime=INFINITE State=UP
-EOF
+  # Its own munged (socket in AuthInfo). Per-node slurmd paths (%n = node name) because every
+  # "node" shares this machine's file systems; two slurmds sharing TmpFS make PMIx fail
+  # ("Cannot create client cli tmpdir … File exists").
+  slurm_conf header="# written by hpctrain tests/cluster/slurm-cluster.sh — a multi-node test cluster on one machine" \
+    cluster=hpctrain-multi controller="node1(10.99.0.1)" auth_info="socket=$MUNGE_SOCKET,cred_expire=10" \
+    state_dir="$SDIR/ctld" ctld_pid="$CTLD_PID" ctld_log="$SDIR/log/slurmctld.log" \
+    slurmd_spool="$SDIR/spool/%n" slurmd_pid="$SDIR/slurmd.%n.pid" slurmd_log="$SDIR/log/slurmd.%n.log" \
+    tmpfs="$SDIR/tmp/%n" nodes="node[1-$n]" addrs="10.99.0.[1-$n]" cpus="$CPUS_PER_NODE" mem_mb="$mem_mb" \
+    partition="$PARTITION"
 }
 
 start_munge() {
@@ -250,6 +230,7 @@ case "$action" in
   stop) cmd_stop ;;
   status) cmd_status ;;
   env) echo "export SLURM_CONF=$CONF" ;;
+  conf) render_conf "$nodes" ;;
   check)
     r=$(missing_reason)
     if [ -n "$r" ]; then echo "$r"; exit 2; fi

@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain import comm
+from require import skip_or_fail
 
 RANKS = (1, 2, 3, 4)
 TIMEOUT = 400
@@ -86,9 +87,7 @@ def test_ring_segments_around_chunk_boundaries(monkeypatch, ring, op, dtype):
     from hpctrain.comm import algorithms, mpiring
 
     if ring == "c" and not mpiring.available():
-        if os.environ.get("HPCTRAIN_REQUIRE_SHMSYNC") == "1":
-            pytest.fail("the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
-        pytest.skip("the C ring (hpctrain.comm._mpiring) is not built here")
+        skip_or_fail("mpiring", "the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
     itemsize = np.dtype(dtype).itemsize
     seg = 5
     monkeypatch.setattr(algorithms, "RING_SEGMENT_BYTES", seg * itemsize)

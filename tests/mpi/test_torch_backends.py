@@ -1,12 +1,12 @@
 """DistributedOptimizer over the torch.distributed Gloo backend (rendezvous bootstrapped through
 MPI, no MASTER_ADDR) equals the MPI backend and 1-process training."""
-import os
 
 import pytest
 import torch
 
 import hpctrain.torch as hvd
 from hpctrain.torch import backends, staging
+from require import skip_or_fail
 
 RANKS = (1, 2, 3)
 TIMEOUT = 240
@@ -56,9 +56,7 @@ def close(a, b, tol=1e-12):
 
 def test_gloo_backend_matches_reference():
     if not hvd.gloo_built():
-        if os.environ.get("HPCTRAIN_REQUIRE_GLOO") == "1":
-            pytest.fail("this PyTorch has no Gloo but HPCTRAIN_REQUIRE_GLOO=1")
-        pytest.skip("this PyTorch has no Gloo")
+        skip_or_fail("gloo", "this PyTorch has no Gloo")
     ref = reference()
     assert close(train("gloo", fusion_threshold=0), ref)
     assert close(train("gloo"), ref)
@@ -95,7 +93,5 @@ def test_horovod_backend_matches_reference():
     try:
         import horovod.torch  # noqa: F401
     except ImportError as exc:
-        if os.environ.get("HPCTRAIN_REQUIRE_HOROVOD") == "1":
-            pytest.fail(f"horovod.torch does not import ({exc}) but HPCTRAIN_REQUIRE_HOROVOD=1")
-        pytest.skip(f"horovod.torch does not import: {exc}")
+        skip_or_fail("horovod", f"horovod.torch does not import: {exc}")
     assert close(train("horovod"), reference())

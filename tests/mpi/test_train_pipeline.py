@@ -10,6 +10,8 @@ DP = 2 × PP = 2 on 4 ranks, both schedules.
   split) is a clear ConfigError on every rank, before any communication.
 """
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -55,7 +57,14 @@ def _make_data() -> None:
     comm.barrier()
 
 
-_make_data()
+@pytest.fixture(scope="module", autouse=True)
+def shared_data():
+    """The files every rank's tests read; removed by rank 0 once every rank is past the last test."""
+    _make_data()
+    yield
+    comm.barrier()
+    if R == 0:
+        shutil.rmtree(BASE, ignore_errors=True)
 
 
 def config(run: str, **extra):
@@ -223,10 +232,3 @@ def test_model_that_cannot_be_split():
     with pytest.raises(ConfigError, match="cannot be cut into parallel.micro_batches=16"):
         Trainer(config("bad5", parallel__micro_batches=16)).fit()
 
-
-def test_zz_cleanup():
-    comm.barrier()
-    if R == 0:
-        import shutil
-
-        shutil.rmtree(BASE, ignore_errors=True)

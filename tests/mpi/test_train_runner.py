@@ -1,6 +1,7 @@
 """The training runner under a real mpiexec: bit-identical resume, timeline from every rank,
 NaN stop/skip, straggler warning and re-balancing, exact evaluation."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -29,7 +30,14 @@ def _make_data() -> None:
     comm.barrier()
 
 
-_make_data()
+@pytest.fixture(scope="module", autouse=True)
+def shared_data():
+    """The files every rank's tests read; removed by rank 0 once every rank is past the last test."""
+    _make_data()
+    yield
+    comm.barrier()
+    if R == 0:
+        shutil.rmtree(BASE, ignore_errors=True)
 
 
 def config(run: str, **extra):
@@ -202,10 +210,3 @@ def test_resume_from_a_missing_or_bad_path_is_a_clear_error():
     with pytest.raises(ckpt.CheckpointError, match="cannot be loaded"):
         Trainer(config("badresume2"), resume=str(bad)).fit()
 
-
-def test_zz_cleanup():
-    comm.barrier()
-    if R == 0:
-        import shutil
-
-        shutil.rmtree(BASE, ignore_errors=True)

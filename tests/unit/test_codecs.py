@@ -16,14 +16,13 @@ from hypothesis import given, settings, strategies as st
 from hpctrain.data import codecs
 from hpctrain.data.codecs import ChunkCodec, Filter, codec_for
 from hpctrain.data.errors import DataError
+from require import skip_or_fail
 
 try:
     from hpctrain.data import _codecs
-except ImportError:  # optional extension: pip install succeeds without a compiler
-    if os.environ.get("HPCTRAIN_REQUIRE_CODECS") == "1":
-        raise
-    pytest.skip("hpctrain.data._codecs not built (no C compiler or Python headers at install); "
-                "set HPCTRAIN_REQUIRE_CODECS=1 to make this a failure", allow_module_level=True)
+except ImportError as exc:  # optional extension: pip install succeeds without a compiler
+    skip_or_fail("codecs", f"hpctrain.data._codecs not built (no C compiler or Python headers at install): {exc}",
+                 module_level=True)
 
 
 # ------------------------------------------------------------------ helpers

@@ -1,7 +1,6 @@
 """Compressed keys read as stored chunks decoded by hpctrain (hpctrain.data.chunked): the
 loader's batches equal those read through HDF5, for every filter combination it decodes,
 every shuffle mode and partial chunks; a damaged chunk is an error naming file and key."""
-import os
 
 import h5py
 import numpy as np
@@ -13,12 +12,11 @@ from hpctrain.data.chunked import ChunkedKey, chunked_dataset
 from hpctrain.data.errors import CorruptFileError
 from hpctrain.data.loader import HDF5Dataset
 from hpctrain.data.mapped import open_map
+from require import skip_or_fail
 
 if codecs._codecs is None:
-    if os.environ.get("HPCTRAIN_REQUIRE_CODECS") == "1":
-        raise ImportError("hpctrain.data._codecs is not built but HPCTRAIN_REQUIRE_CODECS=1")
-    pytest.skip("hpctrain.data._codecs not built (no C compiler at install); "
-                "set HPCTRAIN_REQUIRE_CODECS=1 to make this a failure", allow_module_level=True)
+    skip_or_fail("codecs", "hpctrain.data._codecs not built (no C compiler or Python headers at install)",
+                 module_level=True)
 
 FILTERS = {
     "lzf": dict(compression="lzf"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from hpctrain.data.errors import ConfigError, DataError, TooFewSamplesError
 from hpctrain.data.planner import (
@@ -78,9 +78,7 @@ def test_order_differs_across_epochs(setup):
     counts, world, batch, kw = setup
     kw.update(shuffle=True, block_rows=1 if kw["policy"] != "strided" else kw["block_rows"],
               window_order="shuffle")
-    n = sum(counts)
-    if n < 8:
-        return
+    assume(sum(counts) >= 8)  # fewer rows can repeat an order by chance
     a = plan_all(counts, world, batch, **kw)
     b = plan_all(counts, world, batch, **{**kw, "epoch": kw["epoch"] + 1})
     assert [p.steps for p in a] == [p.steps for p in b]

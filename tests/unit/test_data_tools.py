@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import h5py
 import numpy as np
@@ -65,6 +66,19 @@ def test_pack_digits(tmp_path):
     assert np.array_equal(ds["x"]["data"], d.data.astype(np.float32))
     assert np.array_equal(ds["y"]["data"], d.target)
     assert "load_digits" in attrs["source"]
+
+
+def test_pack_digits_without_scikit_learn_names_the_extra(tmp_path, monkeypatch, capsys):
+    from hpctrain.cli.main import main
+    from hpctrain.extras import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # what an import finds when it is not installed
+    monkeypatch.delitem(sys.modules, "sklearn.datasets", raising=False)
+    with pytest.raises(MissingExtraError, match=r"digits dataset needs scikit-learn.*hpctrain\[examples\]"):
+        pack(["digits"], str(tmp_path / "d.h5"))
+    assert main(["data", "pack", "digits", "--out", str(tmp_path / "d.h5")]) == 2
+    assert "pip install 'hpctrain[examples]'" in capsys.readouterr().err
+    assert not (tmp_path / "d.h5").exists()
 
 
 @pytest.mark.parametrize("compression", [None, "lzf", "gzip"])

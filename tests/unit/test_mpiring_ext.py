@@ -1,7 +1,6 @@
 """The C ring (extension ``_mpiring``) in one process: binding to the MPI library mpi4py
 loaded, the size-1 and empty cases, and the arguments it refuses. The ring itself runs
 under mpiexec (tests/mpi/test_comm_collectives.py, both rings, 1–4 ranks)."""
-import os
 
 import numpy as np
 import pytest
@@ -9,14 +8,13 @@ from mpi4py import MPI
 
 from hpctrain.comm import mpiring
 from hpctrain.comm.buffers import DTYPE_CODES
+from require import skip_or_fail
 
 try:
     from hpctrain.comm import _mpiring
-except ImportError:  # optional extension: pip install succeeds without a compiler
-    if os.environ.get("HPCTRAIN_REQUIRE_SHMSYNC") == "1":
-        raise
-    pytest.skip("hpctrain.comm._mpiring not built (no C compiler or Python headers at install); "
-                "set HPCTRAIN_REQUIRE_SHMSYNC=1 to make this a failure", allow_module_level=True)
+except ImportError as exc:  # optional extension: pip install succeeds without a compiler
+    skip_or_fail("mpiring", f"hpctrain.comm._mpiring not built (no C compiler or Python headers at install): {exc}",
+                 module_level=True)
 
 F32 = DTYPE_CODES["float32"]
 

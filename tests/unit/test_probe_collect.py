@@ -1,60 +1,24 @@
-"""Parsers of the probe with recorded inputs: nvidia-smi CSV, CUDA_VISIBLE_DEVICES, MPI
+"""Parsers of the probe with recorded inputs: CUDA_VISIBLE_DEVICES, MPI
 version strings, launcher and SLURM variables; and the collectors on this (GPU-less) machine."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from hpctrain.probe.collect import (collect_facts, collect_gpus, cpu_model_from_cpuinfo, detect_launcher,
                                     parse_cgroup_limit, parse_cpulist, parse_cuda_visible_devices,
-                                    parse_mpi_version, parse_nvidia_smi_csv, parse_tasks_per_node,
+                                    parse_mpi_version, parse_tasks_per_node,
                                     resolve_visible, slurm_from_env)
 from hpctrain.probe.facts import GpuFacts
 
-# `nvidia-smi --query-gpu=index,name,uuid,memory.total,memory.free,pci.bus_id,compute_cap,driver_version
-#  --format=csv,noheader,nounits` on an 8×H100 SXM node (driver 550) — the format as NVIDIA documents it.
-H100_SMI = """\
-0, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e00, 81559, 81001, 00000000:18:00.0, 9.0, 550.54.15
-1, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e01, 81559, 81001, 00000000:2A:00.0, 9.0, 550.54.15
-2, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e02, 81559, 1024, 00000000:3A:00.0, 9.0, 550.54.15
-3, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e03, 81559, 81001, 00000000:5D:00.0, 9.0, 550.54.15
-4, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e04, 81559, 81001, 00000000:9A:00.0, 9.0, 550.54.15
-5, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e05, 81559, 81001, 00000000:AB:00.0, 9.0, 550.54.15
-6, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e06, 81559, 81001, 00000000:BA:00.0, 9.0, 550.54.15
-7, NVIDIA H100 80GB HBM3, GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e07, 81559, 81001, 00000000:DB:00.0, 9.0, 550.54.15
-"""
-
-# An older driver (no compute_cap field) with a GPU whose free memory is not reported.
-OLD_SMI = """\
-0, Tesla V100-SXM2-32GB, GPU-aaaa, 32510, [N/A], 00000000:06:00.0, 470.82.01
-1, Tesla V100-SXM2-32GB, GPU-bbbb, 32510, 32000, 00000000:07:00.0, 470.82.01
-"""
-
-
-def test_nvidia_smi_csv_h100():
-    gpus, driver = parse_nvidia_smi_csv(H100_SMI)
-    assert driver == "550.54.15" and len(gpus) == 8
-    g = gpus[2]
-    assert g.index == 2 and g.name == "NVIDIA H100 80GB HBM3"
-    assert g.memory_total == 81559 << 20 and g.memory_free == 1024 << 20
-    assert g.compute_capability == "9.0" and g.pci_bus_id == "00000000:3A:00.0"
-    assert g.uuid.endswith("e02")
-
-
-def test_nvidia_smi_csv_old_driver_and_na():
-    fields = ("index", "name", "uuid", "memory.total", "memory.free", "pci.bus_id", "driver_version")
-    gpus, driver = parse_nvidia_smi_csv(OLD_SMI, fields)
-    assert driver == "470.82.01"
-    assert gpus[0].memory_free is None and gpus[1].memory_free == 32000 << 20
-    assert gpus[0].compute_capability is None
-
-
-def test_nvidia_smi_csv_wrong_field_count_says_what():
-    with pytest.raises(ValueError, match="line 1 has 7 fields, expected 8"):
-        parse_nvidia_smi_csv(OLD_SMI)
-
 
 def gpus8():
-    return parse_nvidia_smi_csv(H100_SMI)[0]
+    """8 H100s as NVML reports them (name, memory, UUID, PCI bus, compute capability)."""
+    return [GpuFacts(index=i, name="NVIDIA H100 80GB HBM3", memory_total=81559 << 20, memory_free=81001 << 20,
+                     uuid=f"GPU-6f4b2c1e-9d8a-4e2b-b1c3-0a1b2c3d4e{i:02d}", pci_bus_id=f"00000000:{0x18 + 16 * i:02X}:00.0",
+                     compute_capability="9.0")
+            for i in range(8)]
 
 
 @pytest.mark.parametrize("value,tokens", [
@@ -147,3 +111,26 @@ def test_collect_on_this_machine(tmp_path):
         assert inv.source == "none" and inv.notes
     else:
         assert all(isinstance(g, GpuFacts) for g in inv.gpus)
+
+
+def test_gpus_come_from_nvml_or_torch_never_from_nvidia_smi(tmp_path, monkeypatch):
+    """nvidia-ml-py is a requirement, so NVML is always there to ask; an `nvidia-smi` on PATH
+    is not run when NVML and torch.cuda find nothing."""
+    from hpctrain.probe import collect
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\necho '0, Fake GPU, GPU-x, 100, 100, 0:1:0.0, 9.0, 1'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    def no_nvml():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(collect, "_nvml_gpus", no_nvml)
+    inv = collect_gpus(env={})
+    if inv.source == "torch":  # a real GPU seen by torch.cuda
+        assert inv.count > 0
+    else:
+        assert inv.source == "none" and inv.count == 0
+        assert any("NVML" in n for n in inv.notes)
+    assert not (tmp_path / "ran").exists()

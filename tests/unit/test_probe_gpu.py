@@ -3,13 +3,15 @@ tests skip with the reason printed — and fail instead when HPCTRAIN_REQUIRE_GP
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from hpctrain.probe import collect_gpus
+from require import skip_or_fail
+
+pytestmark = pytest.mark.gpu
 
 
 def gpu_or_skip():
@@ -19,10 +21,7 @@ def gpu_or_skip():
         return
     reason = (f"no usable GPU (torch {torch.__version__}, CUDA {torch.version.cuda}, "
               f"notes: {'; '.join(collect_gpus().notes)})")
-    if os.environ.get("HPCTRAIN_REQUIRE_GPU") == "1":
-        pytest.fail("HPCTRAIN_REQUIRE_GPU=1 but " + reason)
-    print(f"\nSKIP GPU test: {reason}", flush=True)
-    pytest.skip(reason)
+    skip_or_fail("gpu", reason)
 
 
 def test_gpu_inventory_matches_torch():
@@ -30,7 +29,7 @@ def test_gpu_inventory_matches_torch():
     import torch
 
     inv = collect_gpus()
-    assert inv.source in ("nvml", "torch", "nvidia-smi")
+    assert inv.source in ("nvml", "torch")
     assert len(inv.visible_gpus()) == torch.cuda.device_count()
     g = inv.visible_gpus()[0]
     props = torch.cuda.get_device_properties(0)

@@ -1,6 +1,5 @@
 """The shared-memory flag exchange (C extension) in one process: the peers' regions are plain
 memory that the test fills in as a peer would, so every outcome is checked without mpiexec."""
-import os
 import struct
 import time
 
@@ -9,14 +8,13 @@ import pytest
 
 from hpctrain.comm import plan, shmsync
 from hpctrain.comm.buffers import DTYPE_CODES
+from require import skip_or_fail
 
 try:
     from hpctrain.comm import _shmsync
-except ImportError:  # optional extension: pip install succeeds without a compiler
-    if os.environ.get("HPCTRAIN_REQUIRE_SHMSYNC") == "1":
-        raise
-    pytest.skip("hpctrain.comm._shmsync not built (no C compiler or Python headers at install); "
-                "set HPCTRAIN_REQUIRE_SHMSYNC=1 to make this a failure", allow_module_level=True)
+except ImportError as exc:  # optional extension: pip install succeeds without a compiler
+    skip_or_fail("shmsync", f"hpctrain.comm._shmsync not built (no C compiler or Python headers at install): {exc}",
+                 module_level=True)
 SLOT = 4096
 
 

@@ -11,25 +11,30 @@ import pytest
 
 from hpctrain import __version__
 from hpctrain.cli.main import main
-from hpctrain.slurm.render import (ARRAY_PLACEHOLDERS, TEMPLATE_DIR, TEMPLATES, JobSpec, make_spec,
-                                   parse_time_limit, quote_command, render)
+from hpctrain.slurm.render import (ARRAY_PLACEHOLDERS, TEMPLATES, JobSpec, make_spec, parse_time_limit,
+                                   quote_command, render, template_files)
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
 
 
 # ----------------------------------------------------------------------------- templates
-def test_packaged_templates_identical_to_slurm_folder():
-    """slurm/ (what people browse) and hpctrain/templates/ (what pip installs) must agree."""
-    top = {p.name: p.read_bytes() for p in (ROOT / "slurm").glob("*.sbatch")}
-    packaged = {p.name: p.read_bytes() for p in TEMPLATE_DIR.glob("*.sbatch")}
-    assert sorted(top) == sorted(packaged), "the two template folders list different files"
-    for name in top:
-        assert top[name] == packaged[name], (
-            f"slurm/{name} differs from hpctrain/templates/{name}; edit one and copy it over: "
-            f"cp slurm/{name} hpctrain/templates/{name}"
-        )
-    assert {f"{n}.sbatch" for n in TEMPLATES} <= set(packaged)
+def test_templates_are_read_from_the_slurm_folder_as_package_data():
+    """One copy: slurm/ is installed as the package hpctrain.templates, and the renderer reads
+    that package (here, an editable install, it is slurm/ itself)."""
+    files = template_files()
+    assert Path(str(files)).resolve() == (ROOT / "slurm").resolve()
+    shipped = {p.name for p in (ROOT / "slurm").glob("*.sbatch")}
+    assert {p.name for p in files.iterdir() if p.name.endswith(".sbatch")} == shipped
+    assert {f"{n}.sbatch" for n in TEMPLATES} <= shipped
+    assert not (ROOT / "hpctrain" / "templates").exists(), "a second copy of the templates"
+
+
+def test_custom_template_may_include_the_shipped_parts(tmp_path):
+    custom = tmp_path / "mine.sbatch"
+    custom.write_text('#!/bin/bash\n{% include "_header.sbatch" %}\necho custom\n')
+    text = render(str(custom), make_spec(str(custom), ["true"], nodes=1, tasks_per_node=1))
+    assert "#SBATCH --job-name=hpctrain" in text and text.endswith("echo custom\n")
 
 
 GOLDEN_SPECS = {
@@ -290,15 +295,40 @@ def test_cli_list_and_help(capsys):
     assert "--tasks-per-node" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [["render", "--help"], ["render", "-h"], ["render", "cpu-mpi", "--help"],
+                                  ["submit", "--help"], ["submit", "cpu-mpi", "--nodes", "2", "-h"]])
+def test_cli_render_and_submit_help_is_one_help(capsys, argv):
+    """One usage line and one options section: the options parser's help, not argparse's
+    help of the sub-command with the options parser's help pasted into its description."""
+    try:
+        assert main(["slurm", *argv]) == 0
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    assert out.count("usage:") == 1 and out.count("\noptions:") == 1, out
+    assert "--tasks-per-node" in out and "TEMPLATE" in out
+    assert ("--job-dir JOB_DIR" in out) == (argv[0] == "submit") and "--run-dir" not in out
+
+
 def test_cli_submit_dry_run(tmp_path, capsys):
-    run_dir = tmp_path / "run 1"
-    assert main(["slurm", "submit", "data-shard-array", "--run-dir", str(run_dir), "--dry-run",
+    job_dir = tmp_path / "run 1"
+    assert main(["slurm", "submit", "data-shard-array", "--job-dir", str(job_dir), "--dry-run",
                  "--job-name", "a/b c", "--", "echo", "{task}"]) == 0
-    script = run_dir / "a_b_c.sbatch"
+    script = job_dir / "a_b_c.sbatch"
     assert capsys.readouterr().out.strip() == str(script)
     text = script.read_text()
-    assert f"#SBATCH --output={shlex.quote(str(run_dir / 'slurm-%A_%a.out'))}\n" in text
+    assert f"#SBATCH --output={shlex.quote(str(job_dir / 'slurm-%A_%a.out'))}\n" in text
     assert 'cmd=(echo "${SLURM_ARRAY_TASK_ID}")' in text
+
+
+def test_cli_submit_run_dir_is_a_deprecated_alias_of_job_dir(tmp_path, capsys):
+    job_dir = tmp_path / "jobs"
+    assert main(["slurm", "submit", "cpu-mpi", "--run-dir", str(job_dir), "--dry-run", "--", "true"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(job_dir / "hpctrain.sbatch")
+    assert "--run-dir is deprecated, use --job-dir" in captured.err
+    assert main(["slurm", "submit", "cpu-mpi", "--run-dir", "a", "--job-dir", "b", "--dry-run", "--", "true"]) == 2
+    assert "disagree" in capsys.readouterr().err
 
 
 def test_cli_env(monkeypatch, capsys):

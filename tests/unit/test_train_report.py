@@ -2,6 +2,8 @@
 Chrome trace format."""
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,37 @@ def test_report_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1 rank(s)" in out and (tmp_path / "plots" / "loss.png").is_file()
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_report_leaves_the_callers_matplotlib_alone(tmp_path):
+    """No matplotlib.use() and no pyplot: a user's backend, rcParams and figures survive."""
+    canned_run(tmp_path)
+    code = (
+        "import matplotlib, sys\n"
+        "matplotlib.use('svg')\n"
+        "size = matplotlib.rcParams['font.size']\n"
+        "from hpctrain.train.report import make_report\n"
+        "make_report(sys.argv[1])\n"
+        "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
+        "assert matplotlib.rcParams['font.size'] == size and not matplotlib.rcParams['axes.grid']\n"
+        "assert 'matplotlib.pyplot' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "report" / "loss.png").is_file()
+
+
+def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
+    from hpctrain.cli.main import main
+    from hpctrain.extras import MissingExtraError
+
+    canned_run(tmp_path, ranks=1, slow_rank=-1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import finds when it is not installed
+    with pytest.raises(MissingExtraError, match=r"needs matplotlib.*HINT: pip install 'hpctrain\[report\]'"):
+        make_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpctrain report: ") and "pip install 'hpctrain[report]'" in err
 
 
 def test_read_metrics_ignores_torn_line_and_keeps_redone_steps(tmp_path):
