@@ -14,6 +14,7 @@ from mpirun import ROOT, mpi_env, python_argv, run_mpi
 from test_train_cli import write_config
 
 HPCTRAIN = python_argv("-m", "hpctrain.cli.main")
+pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ PY = sys.executable
 HPCTRAIN = [PY, "-m", "hpctrain.cli.main", "slurm"]
 GOLDEN = ROOT / "tests" / "golden" / "slurm_jobs"
 TIMEOUT = 120
+pytestmark = pytest.mark.slurm
 
 
 def slurm(*args: str, env=None, timeout: float = 60) -> subprocess.CompletedProcess:
