@@ -5,6 +5,7 @@
   hpctrain slurm submit TEMPLATE [OPTIONS] -- COMMAND…  write it into the job directory, sbatch it,
                                                        print the job id
   hpctrain slurm env                                   this process's view of its SLURM job
+  hpctrain slurm status [JOB] | logs JOB [-f] | cancel JOB   a submitted job's state, output, end
 
 Every value is shell-quoted in the script: a job name such as 'x; touch /tmp/owned' stays a
 name. The command after `--` is quoted word by word (use `-- bash -c '…'` for shell syntax).
