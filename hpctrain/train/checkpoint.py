@@ -189,7 +189,7 @@ def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
         try:
             return path, load_checkpoint(path)
         except CheckpointError as exc:
-            log.warning("skipping checkpoint that does not load: %s", exc)
+            log.warning("skipping checkpoint that does not load: %s", str(exc).splitlines()[0])
     return None
 
 

@@ -158,7 +158,9 @@ def load_meta(path: Path) -> Dict[str, Any]:
         raise ckpt.CheckpointError(str(exc)) from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise ckpt.ForeignFile(f"{meta_path}: not an hpctrain pipeline checkpoint (format {META_FORMAT!r})")
-    stages = int(meta["stages"])
+    stages = meta.get("stages")
+    if type(stages) is not int or stages < 1:
+        raise ckpt.CheckpointError(f"{meta_path}: not a valid hpctrain checkpoint: stages is {stages!r}")
     missing = [s for s in range(stages) if not os.path.isfile(stage_ckpt.stage_checkpoint_path(str(path), s, stages))]
     if missing:
         raise ckpt.CheckpointError(f"{path}: stage file(s) of stage(s) {missing} are missing")
@@ -295,6 +297,10 @@ def load(path: Path, pipe: Any, opt: Any) -> Dict[str, Any]:
         stage_ckpt.load_stage_checkpoint(pipe, str(path), optimizer=opt)
     except stage_ckpt.CheckpointError as exc:
         problem = str(exc)
+    except (RuntimeError, KeyError, ValueError) as exc:  # tensors or optimizer state that do not fit
+        problem = (f"{path}: stage {pipe.stage} does not load into this model "
+                   f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})\n"
+                   "HINT: resume with the model and parallel: settings of the run that wrote it")
     # Each rank reads its own stage file: agree, so that a bad file fails every rank alike
     # instead of leaving the others waiting in the first collective.
     problems = [p for p in comm.allgather_object(problem) if p is not None]
