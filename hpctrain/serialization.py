@@ -88,7 +88,7 @@ def _refuse(path: Union[str, Path], exc: BaseException) -> NoReturn:
     """Raise the one-line NotPlainFile for a failed load (FileNotFoundError passes through)."""
     if isinstance(exc, FileNotFoundError):
         raise exc
-    if isinstance(exc, OSError):
+    if isinstance(exc, (PermissionError, IsADirectoryError)):
         raise NotPlainFile(f"{path}: cannot be read: {exc.strerror or exc}") from None
     if isinstance(exc, pickle.UnpicklingError):
         m = _GLOBAL.search(str(exc))

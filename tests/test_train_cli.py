@@ -258,6 +258,9 @@ def test_resume_auto_past_a_payload_and_a_truncated_file_with_keep_1(data, tmp_p
     out = again.stdout
     assert again.returncode == 0, out[-4000:]
     assert f"resumed from {d / 'ckpt-000000008.pt'} (step 8" in out, out[-4000:]
+    assert (f"skipping checkpoint that does not load: {d / 'ckpt-000009999.pt'}: not a valid hpctrain checkpoint: "
+            "cannot be loaded, truncated or corrupt") in out, out[-4000:]
+    assert f"skipping checkpoint that does not load: {d / 'ckpt-000009998.pt'}: {REFUSED}" in out, out[-4000:]
     assert "status: completed at step 12" in out
     assert _files(d) == ["ckpt-000000012.pt", "quarantine"]
     assert _files(d / "quarantine") == ["ckpt-000009998.pt", "ckpt-000009999.pt"]
