@@ -35,7 +35,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -281,7 +281,7 @@ def move_aside(path: Path, folder: str, why: str) -> Optional[Path]:
     return target
 
 
-def apply_prune(plan: PrunePlan, entries: Sequence[Entry], remove: Any) -> List[Path]:
+def apply_prune(plan: PrunePlan, entries: Sequence[Entry], remove: Callable[[Path], Any]) -> List[Path]:
     """Carry out ``plan`` (``remove(path)`` deletes one checkpoint); returns what was deleted."""
     why = {e.path: e.why for e in entries}
     for path in plan.quarantine:
