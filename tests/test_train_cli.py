@@ -213,3 +213,118 @@ def test_pipeline_train_and_merge_from_the_shell(data, tmp_path):
     from hpctrain.train.models import mlp
 
     mlp(hidden=[32], input_scale=0.0625).load_state_dict(torch.load(out))
+
+
+# ---------------------------------------------------------------------------- checkpoint files
+class Payload:
+    """Unpickling this runs ``touch marker``: the proof that a reader unpickled it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+REFUSED = "not a valid hpctrain checkpoint: it holds a pickled Python object (posix.system), " \
+          "not only tensors and plain types, and hpctrain never unpickles those"
+
+
+def _files(directory: Path):
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+def _one_line_error(out: str, path: Path) -> None:
+    """The refusal of ``path``: one line naming it, printed once, no traceback."""
+    assert "Traceback" not in out, out[-4000:]
+    lines = [ln for ln in out.splitlines() if "not a valid hpctrain checkpoint" in ln]
+    assert lines == [f"hpctrain train: {path}: {REFUSED}"], out[-4000:]
+
+
+def test_resume_auto_past_a_payload_and_a_truncated_file_with_keep_1(data, tmp_path):
+    """A planted payload and a truncated file, both named as newer than any real step: --resume
+    auto runs neither, resumes from the newest valid checkpoint, keeps the new save, and moves
+    both files aside (never deletes them); --resume of the payload itself is a one-line error."""
+    import torch
+
+    marker = tmp_path / "payload-ran"
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", "checkpoint: {interval_steps: 4, keep: 5}")
+    first = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--set", "steps=8"], timeout=180)
+    assert first.returncode == 0, first.stdout[-3000:]
+    d = tmp_path / "run" / "checkpoints"
+    good = (d / "ckpt-000000008.pt").read_bytes()
+    (d / "ckpt-000009999.pt").write_bytes(good[: len(good) // 2])
+    torch.save({"format": 1, "step": 9998, "model": Payload(marker)}, d / "ckpt-000009998.pt")
+    again = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", "auto", "--set", "steps=12",
+                        "--set", "checkpoint.keep=1"], timeout=180)
+    out = again.stdout
+    assert again.returncode == 0, out[-4000:]
+    assert f"resumed from {d / 'ckpt-000000008.pt'} (step 8" in out, out[-4000:]
+    assert (f"skipping checkpoint that does not load: {d / 'ckpt-000009999.pt'}: not a valid hpctrain checkpoint: "
+            "cannot be loaded, truncated or corrupt") in out, out[-4000:]
+    assert f"skipping checkpoint that does not load: {d / 'ckpt-000009998.pt'}: {REFUSED}" in out, out[-4000:]
+    assert "status: completed at step 12" in out
+    assert _files(d) == ["ckpt-000000012.pt", "quarantine"]
+    assert _files(d / "quarantine") == ["ckpt-000009998.pt", "ckpt-000009999.pt"]
+    assert (d / "quarantine" / "ckpt-000009999.pt").read_bytes() == good[: len(good) // 2]
+    for name in ("ckpt-000009998.pt", "ckpt-000009999.pt"):
+        assert f"moved {d / name} to {d / 'quarantine' / name}" in out, out[-4000:]
+    bad = d / "quarantine" / "ckpt-000009998.pt"
+    refused = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", str(bad), "--set", "steps=14"], timeout=180)
+    assert refused.returncode == 2, refused.stdout[-4000:]
+    _one_line_error(refused.stdout, bad)
+    assert not marker.exists()
+
+
+def test_resume_from_an_older_checkpoint_keeps_its_new_saves(data, tmp_path):
+    """--resume of step 4 into a directory holding steps 8 and 12, keep=1: the first new save
+    (step 6) must survive its own pruning; the abandoned 8 and 12 are moved aside."""
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", "checkpoint: {interval_steps: 4, keep: 5}")
+    first = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--set", "steps=12"], timeout=180)
+    assert first.returncode == 0, first.stdout[-3000:]
+    d = tmp_path / "run" / "checkpoints"
+    again = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", str(d / "ckpt-000000004.pt"), "--set", "steps=11",
+                        "--set", "checkpoint.interval_steps=3", "--set", "checkpoint.keep=1"], timeout=180)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert "status: completed at step 11" in again.stdout
+    assert _files(d) == ["ckpt-000000011.pt", "superseded"]
+    assert _files(d / "superseded") == ["ckpt-000000008.pt", "ckpt-000000012.pt"]
+
+
+def test_pipeline_payloads_never_run_through_merge_or_resume(data, tmp_path):
+    """A payload in a stage file and one in meta.pt: the merge tool refuses the stage file in
+    one line; --resume auto skips both checkpoints (to the newest that loads) and moves them
+    aside; --resume of the payload's directory is a one-line error. Nothing runs."""
+    import torch
+
+    marker = tmp_path / "payload-ran"
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run",
+                       PIPELINE + "\ncheckpoint: {interval_steps: 2, keep: 5}")
+    first = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--set", "steps=6"], timeout=180)
+    assert first.returncode == 0, first.stdout[-3000:]
+    d = tmp_path / "run" / "checkpoints"
+    stage1 = d / "pipeline-000000006" / "stage-001-of-002.pt"
+    torch.save({**torch.load(stage1, weights_only=True), "optimizer": Payload(marker)}, stage1)
+    meta4 = d / "pipeline-000000004" / "meta.pt"
+    torch.save({**torch.load(meta4, weights_only=True), "extra": Payload(marker)}, meta4)
+
+    m = run(python_argv("-m", "hpctrain.parallel.checkpoint", "merge", str(stage1.parent), "-o",
+                        str(tmp_path / "model.pt")))
+    assert m.returncode == 2 and "Traceback" not in m.stderr, m.stderr
+    assert m.stderr.strip().splitlines()[-1] == f"error: {stage1}: {REFUSED}", m.stderr
+    assert not (tmp_path / "model.pt").exists()
+
+    again = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", "auto", "--set", "steps=8",
+                        "--set", "checkpoint.keep=1"], timeout=180)
+    out = again.stdout
+    assert again.returncode == 0, out[-4000:]
+    assert f"resumed from {d / 'pipeline-000000002'} (step 2" in out, out[-4000:]
+    assert f"skipping pipeline checkpoint that does not load: {stage1}: {REFUSED}" in out, out[-4000:]
+    assert _files(d) == ["pipeline-000000008", "quarantine"]
+    assert _files(d / "quarantine") == ["pipeline-000000004", "pipeline-000000006"]
+
+    bad = d / "quarantine" / "pipeline-000000006"
+    refused = run_mpi(2, [*HPCTRAIN, "train", str(cfg), "--resume", str(bad), "--set", "steps=10"], timeout=180)
+    assert refused.returncode == 2, refused.stdout[-4000:]
+    _one_line_error(refused.stdout, bad / "stage-001-of-002.pt")
+    assert not marker.exists()

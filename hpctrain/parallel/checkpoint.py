@@ -7,6 +7,10 @@ is an ``nn.Sequential`` whose children keep their original names, e.g. ``'3.weig
 metadata: stage index, stage count, layer names, split points. Merging checks that every stage
 is there exactly once, that they come from the same split, and that no key repeats.
 
+A stage file holds tensors and plain Python types only and is read with
+``torch.load(weights_only=True)`` (:mod:`hpctrain.serialization`): a file that needs more is
+refused as not a valid hpctrain checkpoint, and nothing in it runs.
+
     python -m hpctrain.parallel.checkpoint merge CKPT_DIR -o model.pt
 """
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from hpctrain.serialization import NotPlainFile, load_plain, to_plain
+
 FORMAT = "hpctrain.pipeline-stage/1"
 _NAME = re.compile(r"stage-(\d+)-of-(\d+)\.pt$")
 
@@ -34,30 +40,34 @@ def stage_checkpoint_path(directory: str, stage: int, stages: int) -> str:
 
 
 def stage_state(pipe: Any, optimizer: Any = None, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The dict a stage checkpoint holds."""
-    return {
+    """The dict a stage checkpoint holds: tensors and plain Python types only, so that it
+    loads with ``weights_only=True`` (TypeError naming the key otherwise)."""
+    return to_plain({
         "format": FORMAT,
-        "stage": pipe.stage,
-        "stages": pipe.stages,
-        "layers": list(pipe.layer_names),
-        "split_points": list(pipe.plan.split_points),
-        "num_layers": pipe.plan.num_layers,
+        "stage": int(pipe.stage),
+        "stages": int(pipe.stages),
+        "layers": [str(name) for name in pipe.layer_names],
+        "split_points": [int(p) for p in pipe.plan.split_points],
+        "num_layers": int(pipe.plan.num_layers),
         "state_dict": OrderedDict((k, v.detach().cpu()) for k, v in pipe.state_dict().items()),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "extra": extra or {},
-    }
+    }, where="stage checkpoint")
 
 
 def save_stage_checkpoint(pipe: Any, directory: str, optimizer: Any = None,
                           extra: Optional[Dict[str, Any]] = None) -> Optional[str]:
     """Write this stage's checkpoint (replica 0 only; other replicas return None). Atomic:
-    written to a temporary name, then renamed. No communication."""
+    written to a temporary name and fsync-ed, then renamed. No communication."""
     if getattr(pipe, "replica", 0) != 0:
         return None
     os.makedirs(directory, exist_ok=True)
     path = stage_checkpoint_path(directory, pipe.stage, pipe.stages)
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(stage_state(pipe, optimizer, extra), tmp)
+    with open(tmp, "wb") as f:
+        torch.save(stage_state(pipe, optimizer, extra), f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
@@ -68,7 +78,7 @@ def load_stage_checkpoint(pipe: Any, directory: str, optimizer: Any = None) -> D
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint for stage {pipe.stage} of {pipe.stages}: {path} does not exist.\n"
                               f"HINT: the directory holds {sorted(os.listdir(directory)) if os.path.isdir(directory) else 'nothing'}")
-    state = _read(path)
+    state = read_stage_file(path)
     if state["stages"] != pipe.stages or list(state["layers"]) != list(pipe.layer_names):
         raise CheckpointError(
             f"{path} is stage {state['stage']} of {state['stages']} with layers {state['layers']}, but this rank is "
@@ -80,11 +90,19 @@ def load_stage_checkpoint(pipe: Any, directory: str, optimizer: Any = None) -> D
     return state.get("extra") or {}
 
 
-def _read(path: str) -> Dict[str, Any]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+def read_stage_file(path: str, *, mmap: bool = False) -> Dict[str, Any]:
+    """One stage file's dict, loaded with ``weights_only=True`` (``mmap``: tensors mapped, not
+    read). CheckpointError with one line naming the file when it is not a stage checkpoint."""
+    try:
+        state = load_plain(path, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such stage checkpoint file") from None
+    except NotPlainFile as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an hpctrain pipeline stage checkpoint (format {FORMAT!r})")
+        raise CheckpointError(f"{path}: not a valid hpctrain checkpoint: not a pipeline stage file (format {FORMAT!r})")
     return state
+
 
 
 def merge_stage_checkpoints(source: Union[str, Sequence[Union[str, Dict[str, Any]]]]) -> "OrderedDict[str, torch.Tensor]":
@@ -99,7 +117,7 @@ def merge_stage_checkpoints(source: Union[str, Sequence[Union[str, Dict[str, Any
         source = paths
     states: List[Dict[str, Any]] = []
     for item in source:
-        states.append(_read(item) if isinstance(item, str) else item)
+        states.append(read_stage_file(item) if isinstance(item, str) else item)
     if not states:
         raise CheckpointError("no stage checkpoints to merge")
     totals = {s["stages"] for s in states}
@@ -141,7 +159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    torch.save(merged, args.output)
+    try:
+        torch.save(merged, args.output)
+    except OSError as exc:
+        print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"wrote {len(merged)} tensors to {args.output}")
     return 0
 

@@ -2,13 +2,22 @@
 
 One checkpoint is one file ``ckpt-<step:09d>.pt`` written by rank 0 with ``torch.save``:
 
-    {"format": 1, "hpctrain_version": str, "step": int, "epoch": int, "step_in_epoch": int,
-     "world_size": int, "model": state_dict, "optimizer": state_dict, "scheduler": state_dict,
-     "rng": [per rank: {"torch": uint8 tensor, "numpy": {...}, "python": {...}}],
+    {"format": 1, "hpctrain_version": str, "run_id": str, "step": int, "epoch": int,
+     "step_in_epoch": int, "world_size": int, "model": state_dict, "optimizer": state_dict,
+     "scheduler": state_dict, "rng": [per rank: {"torch": uint8 tensor, "numpy": {...}, "python": {...}}],
      "config": plain dict, "extra": plain dict}
 
-Everything is tensors and plain Python types, so it loads with
-``torch.load(weights_only=True)``: loading never unpickles arbitrary objects.
+Everything is tensors and plain Python types (:func:`hpctrain.serialization.to_plain` on
+save), so it loads with ``torch.load(weights_only=True)``: loading never unpickles arbitrary
+objects, and a file that needs more is refused as not a valid hpctrain checkpoint.
+
+Keep-last-K (:func:`plan_prune`): the run id, made at a run's first start and carried through
+every resume, tells this run's checkpoints from anything else in the directory. Only this
+run's checkpoints that load are counted and deleted; the one just written is never touched.
+What does not load is moved into ``quarantine/`` (never deleted, since hpctrain cannot tell
+that it wrote it); this run's checkpoints newer than the one just written (the run was resumed
+from an older step) are moved into ``superseded/``, so that ``--resume auto`` continues the
+resumed run rather than the abandoned one; other runs' files are left alone.
 
 Atomicity: the bytes go to a temporary file in the same directory, which is flushed and
 ``fsync``-ed, then ``os.replace``-d onto the final name, then the directory is ``fsync``-ed.
@@ -26,12 +35,13 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 import hpctrain
+from hpctrain.serialization import NotPlainFile, load_plain, to_plain
 
 log = logging.getLogger("hpctrain.train")
 
@@ -44,8 +54,25 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file and the fix."""
 
 
+class ForeignFile(CheckpointError):
+    """A file under a checkpoint name that loads, but is not an hpctrain checkpoint of this
+    kind and format (pruning leaves such files alone)."""
+
+
 def checkpoint_name(step: int) -> str:
     return f"ckpt-{int(step):09d}.pt"
+
+
+def new_run_id() -> str:
+    """A fresh run identity (recorded in every checkpoint of the run)."""
+    return uuid.uuid4().hex
+
+
+def run_id_of(state: Optional[Mapping[str, Any]]) -> str:
+    """The run id to write: the resumed checkpoint's (or meta's), else a new one (a fresh
+    start, or a checkpoint written before run ids existed)."""
+    rid = state.get("run_id") if state is not None else None
+    return rid if isinstance(rid, str) and rid else new_run_id()
 
 
 # ---------------------------------------------------------------------------- RNG state
@@ -130,23 +157,25 @@ def list_numbered(directory: Path, pattern: "re.Pattern", directories: bool = Fa
     return sorted(found, reverse=True)
 
 
-def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Load and check one checkpoint (``weights_only=True``: no arbitrary unpickling)."""
+def load_checkpoint(path: Path, *, mmap: bool = False) -> Dict[str, Any]:
+    """Load and check one checkpoint (``weights_only=True``: no arbitrary unpickling).
+
+    ``mmap``: map the tensors instead of reading them (a cheap look at the metadata)."""
     path = Path(path)
     try:
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+        state = load_plain(path, mmap=mmap)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: no such checkpoint file") from exc
-    except Exception as exc:  # truncated, corrupt, or not a torch file
-        raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})\n"
-                              "HINT: pass --resume auto to use the newest checkpoint that loads") from exc
+    except NotPlainFile as exc:
+        raise CheckpointError(f"{exc}\nHINT: pass --resume auto to use the newest checkpoint that loads") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, expected an hpctrain checkpoint dict")
+        raise ForeignFile(f"{path}: not an hpctrain checkpoint (holds a {type(state).__name__}, "
+                          "expected an hpctrain checkpoint dict)")
     missing = [k for k in REQUIRED if k not in state]
     if missing:
-        raise CheckpointError(f"{path}: not an hpctrain checkpoint (missing {', '.join(missing)})")
+        raise ForeignFile(f"{path}: not an hpctrain checkpoint (missing {', '.join(missing)})")
     if state["format"] != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {state['format']!r}; this hpctrain reads format {FORMAT}")
+        raise ForeignFile(f"{path}: checkpoint format {state['format']!r}; this hpctrain reads format {FORMAT}")
     return state
 
 
@@ -160,19 +189,133 @@ def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
         try:
             return path, load_checkpoint(path)
         except CheckpointError as exc:
-            log.warning("skipping checkpoint that does not load: %s", exc)
+            log.warning("skipping checkpoint that does not load: %s", str(exc).splitlines()[0])
     return None
 
 
-def prune(directory: Path, keep: int) -> List[Path]:
-    """Delete all but the newest ``keep`` checkpoints, and stale temporary files; return what went."""
-    removed: List[Path] = []
-    for _step, path in list_checkpoints(directory)[keep:]:
+# ---------------------------------------------------------------------------- keep-last-K
+OURS, OTHER, BROKEN = "ours", "other", "broken"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint in a directory, as pruning sees it. ``kind``: OURS (loads and carries
+    this run's id), OTHER (loads, but another run's or no run id, or not hpctrain's), BROKEN
+    (does not load: truncated, corrupt, or holding pickled objects)."""
+
+    step: int
+    path: Path
+    kind: str
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What :func:`plan_prune` decided; every path not named here stays where it is."""
+
+    delete: Tuple[Path, ...] = ()
+    quarantine: Tuple[Path, ...] = ()
+    supersede: Tuple[Path, ...] = ()
+
+
+def plan_prune(entries: Sequence[Entry], keep: int, written_step: int) -> PrunePlan:
+    """Pure. ``entries``: the directory's checkpoints other than the one just written (of
+    ``written_step``). The written one counts as the newest of the ``keep``; of this run's
+    older checkpoints the newest ``keep - 1`` stay and the rest are deleted. Nothing else is
+    ever deleted: BROKEN entries are quarantined, this run's newer ones superseded."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least the checkpoint just written is kept")
+    ours = sorted((e for e in entries if e.kind == OURS), key=lambda e: e.step, reverse=True)
+    older = [e.path for e in ours if e.step < written_step]
+    return PrunePlan(delete=tuple(older[keep - 1:]),
+                     quarantine=tuple(e.path for e in entries if e.kind == BROKEN),
+                     supersede=tuple(e.path for e in ours if e.step >= written_step))
+
+
+def classify(path: Path, run_id: str) -> Entry:
+    """The :class:`Entry` of a ``ckpt-*.pt`` file: it is loaded with ``weights_only`` and its
+    tensors only mapped, so this is cheap even for a large checkpoint."""
+    m = PATTERN.match(path.name)
+    step = int(m.group(1)) if m else -1
+    try:
+        state = load_checkpoint(path, mmap=True)
+    except CheckpointError as exc:
+        return entry_for_error(step, path, exc)
+    return entry_for_run(step, path, state.get("run_id"), run_id)
+
+
+def entry_for_error(step: int, path: Path, exc: CheckpointError) -> Entry:
+    """The Entry of a checkpoint that failed to load with ``exc``."""
+    why = str(exc).splitlines()[0]
+    why = why[len(f"{path}: "):] if why.startswith(f"{path}: ") else why
+    return Entry(step, path, OTHER if isinstance(exc, ForeignFile) else BROKEN, why)
+
+
+def entry_for_run(step: int, path: Path, found: Any, run_id: str) -> Entry:
+    """The Entry of a checkpoint that loads and carries run id ``found``."""
+    if found == run_id:
+        return Entry(step, path, OURS)
+    if not found:
+        return Entry(step, path, OTHER, "a checkpoint without a run id (written by an older hpctrain)")
+    return Entry(step, path, OTHER, f"a checkpoint of another run (run id {found})")
+
+
+def move_aside(path: Path, folder: str, why: str) -> Optional[Path]:
+    """Move ``path`` into ``<its directory>/<folder>/`` under a free name, with a warning
+    naming both; returns the new path (None if it vanished or could not be moved)."""
+    target_dir = path.parent / folder
+    try:
+        target_dir.mkdir(exist_ok=True)
+        target = target_dir / path.name
+        n = 0
+        while target.exists():
+            n += 1
+            target = target_dir / f"{path.name}.{n}"
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("%s: %s, but it could not be moved to %s/ (%s); left in place", path, why, folder, exc)
+        return None
+    log.warning("moved %s to %s: %s (nothing was deleted)", path, target, why)
+    return target
+
+
+def apply_prune(plan: PrunePlan, entries: Sequence[Entry], remove: Callable[[Path], Any]) -> List[Path]:
+    """Carry out ``plan`` (``remove(path)`` deletes one checkpoint); returns what was deleted."""
+    why = {e.path: e.why for e in entries}
+    for path in plan.quarantine:
+        move_aside(path, "quarantine", why.get(path) or "it does not load")
+    for path in plan.supersede:
+        move_aside(path, "superseded", "this run was resumed from an older step, and this checkpoint of the "
+                                       "abandoned continuation would otherwise be resumed by --resume auto")
+    removed = []
+    for path in plan.delete:
         try:
-            path.unlink()
+            remove(path)
             removed.append(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # the checkpoint just written is safe: pruning is best effort
+            log.warning("could not delete old checkpoint %s: %s", path, exc)
+    return removed
+
+
+def clear_target(entry: Entry) -> None:
+    """Before a checkpoint is written under ``entry``'s name: what this run did not write, or
+    what does not load, is moved aside rather than replaced."""
+    if entry.kind == BROKEN:
+        move_aside(entry.path, "quarantine", entry.why)
+    elif entry.kind == OTHER:
+        move_aside(entry.path, "superseded", f"{entry.why}, and this run writes a checkpoint under its name")
+
+
+def prune(directory: Path, keep: int, *, run_id: str, written: Path) -> List[Path]:
+    """Keep-last-``keep`` after ``written`` was saved (see :func:`plan_prune`), and remove
+    stale temporary files of dead writers; returns what was deleted."""
+    directory, written = Path(directory), Path(written)
+    entries = [classify(p, run_id) for _s, p in list_checkpoints(directory) if p.name != written.name]
+    removed = apply_prune(plan_prune(entries, keep, int(PATTERN.match(written.name).group(1))), entries, os.unlink)
     for name in os.listdir(directory):
         if name.startswith(".ckpt-") and ".tmp-" in name:
             pid = name.rsplit(".tmp-", 1)[1].split("-")[0]
@@ -206,12 +349,13 @@ class Saved:
 
 def build_state(*, step: int, epoch: int, step_in_epoch: int, model: torch.nn.Module, optimizer: Any,
                 scheduler: Optional[Mapping[str, Any]], rng: Sequence[Mapping[str, Any]], config: Mapping[str, Any],
-                extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """The checkpoint dict (see the module docstring)."""
-    return {
+                run_id: str, extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """The checkpoint dict (see the module docstring), in plain types only."""
+    return to_plain({
         "format": FORMAT,
         "hpctrain_version": hpctrain.__version__,
         "torch_version": str(torch.__version__),
+        "run_id": str(run_id),
         "step": int(step),
         "epoch": int(epoch),
         "step_in_epoch": int(step_in_epoch),
@@ -222,20 +366,27 @@ def build_state(*, step: int, epoch: int, step_in_epoch: int, model: torch.nn.Mo
         "rng": list(rng),
         "config": dict(config),
         "extra": dict(extra or {}),
-    }
+    })
 
 
 def save(directory: Path, state: Mapping[str, Any], keep: int) -> Saved:
-    """Write ``state`` as the checkpoint of ``state["step"]`` atomically, then keep the newest ``keep``."""
+    """Write ``state`` as the checkpoint of ``state["step"]`` atomically, then prune to the
+    newest ``keep`` of this run (``state["run_id"]``; see :func:`plan_prune`)."""
     directory = Path(directory)
+    run_id = state.get("run_id")
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError("a checkpoint state needs a run_id (build_state(run_id=run_id_of(resumed_state)))")
     path = directory / checkpoint_name(state["step"])
+    if path.exists():
+        clear_target(classify(path, run_id))
     try:
         atomic_save(dict(state), path)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {path}: {exc}\n"
                               f"HINT: free space in {directory} or point checkpoint.dir elsewhere") from exc
-    prune(directory, keep)
-    return Saved(path, int(state["step"]), path.stat().st_size)
+    saved = Saved(path, int(state["step"]), path.stat().st_size)
+    prune(directory, keep, run_id=run_id, written=path)
+    return saved
 
 
 # ---------------------------------------------------------------------------- pre-flight

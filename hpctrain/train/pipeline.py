@@ -36,6 +36,7 @@ import hpctrain
 from hpctrain import comm
 from hpctrain.parallel import ParallelConfig
 from hpctrain.parallel import checkpoint as stage_ckpt
+from hpctrain.serialization import NotPlainFile, load_plain, to_plain
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train.config import ConfigError, TrainConfig
 
@@ -141,25 +142,33 @@ def list_checkpoints(directory: Path) -> List[Tuple[int, Path]]:
 
 
 def load_meta(path: Path) -> Dict[str, Any]:
-    """Read and check one pipeline checkpoint directory's ``meta.pt`` and that every stage file
-    is present (``weights_only``: no arbitrary unpickling)."""
+    """Read and check one pipeline checkpoint directory: its ``meta.pt``, and that every stage
+    file is there and loads as a stage file (``weights_only``: no arbitrary unpickling; the
+    stage files' tensors are only mapped, not read)."""
     path = Path(path)
     meta_path = path / META_NAME
     if not path.is_dir():
         raise ckpt.CheckpointError(f"{path}: not a pipeline checkpoint directory (pipeline-<step>/)\n"
                                    "HINT: pass --resume auto, or a pipeline-<step> directory of the checkpoint dir")
     try:
-        meta = torch.load(str(meta_path), map_location="cpu", weights_only=True)
+        meta = load_plain(meta_path)
     except FileNotFoundError as exc:
         raise ckpt.CheckpointError(f"{path}: has no {META_NAME}; not a complete pipeline checkpoint") from exc
-    except Exception as exc:  # truncated, corrupt
-        raise ckpt.CheckpointError(f"{meta_path}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
+    except NotPlainFile as exc:
+        raise ckpt.CheckpointError(str(exc)) from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
-        raise ckpt.CheckpointError(f"{meta_path}: not an hpctrain pipeline checkpoint (format {META_FORMAT!r})")
-    missing = [s for s in range(int(meta["stages"]))
-               if not os.path.isfile(stage_ckpt.stage_checkpoint_path(str(path), s, int(meta["stages"])))]
+        raise ckpt.ForeignFile(f"{meta_path}: not an hpctrain pipeline checkpoint (format {META_FORMAT!r})")
+    stages = meta.get("stages")
+    if type(stages) is not int or stages < 1:
+        raise ckpt.CheckpointError(f"{meta_path}: not a valid hpctrain checkpoint: stages is {stages!r}")
+    missing = [s for s in range(stages) if not os.path.isfile(stage_ckpt.stage_checkpoint_path(str(path), s, stages))]
     if missing:
         raise ckpt.CheckpointError(f"{path}: stage file(s) of stage(s) {missing} are missing")
+    for s in range(stages):
+        try:
+            stage_ckpt.read_stage_file(stage_ckpt.stage_checkpoint_path(str(path), s, stages), mmap=True)
+        except stage_ckpt.CheckpointError as exc:
+            raise ckpt.CheckpointError(str(exc)) from None
     return meta
 
 
@@ -173,21 +182,36 @@ def newest_valid(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
     return None
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` pipeline checkpoints, and temporary directories left
-    by a crashed save (rank 0 saves one checkpoint at a time, so any other is stale)."""
-    directory = Path(directory)
-    for _step, path in list_checkpoints(directory)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
+def classify(path: Path, run_id: str) -> ckpt.Entry:
+    """A pipeline checkpoint directory as keep-last-K sees it (:func:`ckpt.plan_prune`)."""
+    step = int(PATTERN.match(path.name).group(1))
+    try:
+        meta = load_meta(path)
+    except ckpt.CheckpointError as exc:
+        return ckpt.entry_for_error(step, path, exc)
+    return ckpt.entry_for_run(step, path, meta.get("run_id"), run_id)
+
+
+def prune(directory: Path, keep: int, *, run_id: str, written: Path) -> List[Path]:
+    """Keep-last-``keep`` of this run after ``written`` was saved (the rules of
+    :func:`ckpt.plan_prune`), and remove temporary directories left by a crashed save (rank 0
+    saves one checkpoint at a time, so any other is stale); returns what was deleted."""
+    directory, written = Path(directory), Path(written)
+    entries = [classify(p, run_id) for _s, p in list_checkpoints(directory) if p.name != written.name]
+    plan = ckpt.plan_prune(entries, keep, int(PATTERN.match(written.name).group(1)))
+    removed = ckpt.apply_prune(plan, entries, shutil.rmtree)
     for name in os.listdir(directory):
         if name.startswith(".pipeline-") and name.endswith(".tmp"):
             shutil.rmtree(directory / name, ignore_errors=True)
+    return removed
 
 
 def save(directory: Path, pipe: Any, opt: Any, meta: Dict[str, Any], keep: int) -> str:
     """Collective (every rank): write the checkpoint of ``meta["step"]``; returns its path.
     Raises CheckpointError on every rank when any rank failed to write."""
     directory = Path(directory)
+    if not isinstance(meta.get("run_id"), str) or not meta["run_id"]:
+        raise ValueError("pipeline checkpoint meta needs a run_id (build_meta(run_id=...))")
     step = int(meta["step"])
     final = directory / checkpoint_name(step)
     tmp = directory / f".{checkpoint_name(step)}.tmp"
@@ -215,17 +239,8 @@ def save(directory: Path, pipe: Any, opt: Any, meta: Dict[str, Any], keep: int) 
         if errors:
             result = ("error", "cannot write pipeline checkpoint: " + "; ".join(errors))
         else:
-            try:
-                ckpt.atomic_save({**meta, "rng": [r for _, r in everyone], "world_size": len(everyone)},
-                                 tmp / META_NAME)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                ckpt._fsync_dir(directory)
-                prune(directory, keep)
-                result = ("ok", str(final))
-            except OSError as exc:
-                result = ("error", f"cannot write pipeline checkpoint {final}: {exc}")
+            result = _publish(directory, tmp, final, {**meta, "rng": [r for _, r in everyone],
+                                                      "world_size": len(everyone)}, keep)
         if result[0] == "error":
             shutil.rmtree(tmp, ignore_errors=True)
     result = comm.broadcast_object(result, root=0)
@@ -234,12 +249,33 @@ def save(directory: Path, pipe: Any, opt: Any, meta: Dict[str, Any], keep: int) 
     return result[1]
 
 
+def _publish(directory: Path, tmp: Path, final: Path, meta: Dict[str, Any], keep: int) -> Tuple[str, str]:
+    """Rank 0: write ``meta.pt`` into the complete ``tmp`` directory, rename it to ``final``
+    and prune. What is under ``final``'s name already is replaced only if it is this run's."""
+    run_id = meta["run_id"]
+    try:
+        ckpt.atomic_save(to_plain(meta, "meta"), tmp / META_NAME)
+        if final.exists():
+            entry = classify(final, run_id)
+            if entry.kind == ckpt.OURS:
+                shutil.rmtree(final)
+            else:
+                ckpt.clear_target(entry)
+        os.replace(tmp, final)
+        ckpt._fsync_dir(directory)
+    except OSError as exc:
+        return ("error", f"cannot write pipeline checkpoint {final}: {exc}")
+    prune(directory, keep, run_id=run_id, written=final)
+    return ("ok", str(final))
+
+
 def build_meta(*, step: int, epoch: int, step_in_epoch: int, pipe: Any, config: Dict[str, Any],
-               extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+               run_id: str, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``meta.pt`` without the RNG states (:func:`save` adds every rank's)."""
     return {
         "format": META_FORMAT,
         "hpctrain_version": hpctrain.__version__,
+        "run_id": str(run_id),
         "step": int(step), "epoch": int(epoch), "step_in_epoch": int(step_in_epoch),
         "stages": int(pipe.stages), "data_parallel": int(pipe.layout.data_parallel if pipe.layout else 1),
         "split_points": list(pipe.plan.split_points), "schedule": pipe.schedule,
@@ -256,8 +292,18 @@ def load(path: Path, pipe: Any, opt: Any) -> Dict[str, Any]:
             f"{path} holds a pipeline of {meta['stages']} stages split at {meta['split_points']}, but this run has "
             f"{pipe.stages} stages split at {list(pipe.plan.split_points)}.\nHINT: resume with the same "
             "parallel: settings, or merge it (python -m hpctrain.parallel.checkpoint merge) and start a new run")
+    problem: Optional[str] = None
     try:
         stage_ckpt.load_stage_checkpoint(pipe, str(path), optimizer=opt)
     except stage_ckpt.CheckpointError as exc:
-        raise ckpt.CheckpointError(str(exc)) from None
+        problem = str(exc)
+    except (RuntimeError, KeyError, ValueError) as exc:  # tensors or optimizer state that do not fit
+        problem = (f"{path}: stage {pipe.stage} does not load into this model "
+                   f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})\n"
+                   "HINT: resume with the model and parallel: settings of the run that wrote it")
+    # Each rank reads its own stage file: agree, so that a bad file fails every rank alike
+    # instead of leaving the others waiting in the first collective.
+    problems = [p for p in comm.allgather_object(problem) if p is not None]
+    if problems:
+        raise ckpt.CheckpointError(problems[0])
     return meta

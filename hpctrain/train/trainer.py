@@ -326,6 +326,7 @@ class Trainer:
         slots = {"sgd": 1 if cfg.optimizer.momentum > 0 else 0, "adam": 2, "adamw": 2}[cfg.optimizer.name]
         self._agree_or_raise(lambda: self._preflight(ckpt_dir, ckpt.estimate_bytes(model, slots, world)))
         state, resumed_from = self._find_resume(ckpt_dir)
+        self.run_id = ckpt.run_id_of(state)  # carried through resumes: keep-last-K prunes only this run's
         step, epoch, skip = 0, 0, 0
         weights: Optional[List[float]] = None
         if state is not None:
@@ -773,7 +774,7 @@ class Trainer:
         if self.rank == 0:
             state = ckpt.build_state(step=step, epoch=pos[0], step_in_epoch=pos[1], model=model, optimizer=opt,
                                      scheduler={"kind": self.cfg.schedule.kind, "step": step},
-                                     rng=rngs, config=self.cfg.to_dict(),
+                                     rng=rngs, config=self.cfg.to_dict(), run_id=self.run_id,
                                      extra={"balance_weights": weights, "scheduler_step": step})
             try:
                 saved = ckpt.save(ckpt_dir, state, self.cfg.checkpoint.keep)
@@ -864,6 +865,7 @@ class Trainer:
                        timeline: Timeline) -> Optional[str]:
         t0 = time.perf_counter()
         meta = pp.build_meta(step=step, epoch=pos[0], step_in_epoch=pos[1], pipe=pipe, config=self.cfg.to_dict(),
+                             run_id=self.run_id,
                              extra={"balance_weights": None, "scheduler_step": step})
         path = pp.save(ckpt_dir, pipe, opt, meta, self.cfg.checkpoint.keep)
         timeline.add("checkpoint", t0, time.perf_counter())

@@ -202,6 +202,23 @@ def test_fresh_start_over_pipeline_checkpoints_is_refused():
         Trainer(config("eq-1f1b")).fit()
 
 
+def test_a_stage_file_that_fails_on_its_own_ranks_fails_every_rank():
+    """Each rank reads only its stage's file: when stage 1's does not fit, the ranks of stage 0
+    must get the same error instead of waiting for stage 1 in the first collective."""
+    import shutil
+
+    from hpctrain.train import checkpoint as ckpt
+
+    target = BASE / "badstage" / "checkpoints" / pp.checkpoint_name(STEPS)
+    if R == 0:
+        shutil.copytree(BASE / "eq-1f1b" / "checkpoints" / pp.checkpoint_name(STEPS), target)
+        stage1 = target / "stage-001-of-002.pt"
+        torch.save({**torch.load(stage1, weights_only=True), "layers": ["not", "these"]}, stage1)
+    comm.barrier()
+    with pytest.raises(ckpt.CheckpointError, match=r"is stage 1 of 2 with layers \['not', 'these'\]"):
+        Trainer(config("badstage"), resume=str(target)).fit()
+
+
 def test_resume_with_other_stages_is_a_clear_error():
     if N < 4:
         return

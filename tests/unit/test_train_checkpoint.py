@@ -14,14 +14,15 @@ import torch
 from hpctrain.train import checkpoint as ckpt
 
 
-def small_state(step: int, nbytes: int = 1 << 16):
+def small_state(step: int, nbytes: int = 1 << 16, run_id: str = "run-a"):
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     return ckpt.build_state(step=step, epoch=step // 10, step_in_epoch=step % 10, model=model, optimizer=opt,
                             scheduler={"kind": "constant", "step": step}, rng=[ckpt.capture_rng()],
-                            config={"seed": 1}, extra={"payload": torch.full((nbytes // 4,), float(step))})
+                            config={"seed": 1}, run_id=run_id,
+                            extra={"payload": torch.full((nbytes // 4,), float(step))})
 
 
 def test_save_load_roundtrip_weights_only(tmp_path):
@@ -54,7 +55,7 @@ def test_rng_roundtrip_restores_all_three_generators():
 
 
 def test_keep_last_k_and_newest_first(tmp_path):
-    for step in (1, 5, 3, 9, 12):
+    for step in (1, 3, 5, 9, 12):
         ckpt.save(tmp_path, small_state(step), keep=3)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [12, 9, 5]
 
@@ -72,15 +73,28 @@ def test_newest_valid_skips_truncated_and_garbage(tmp_path):
     assert ckpt.newest_valid(tmp_path / "nothing") is None
 
 
-def test_load_rejects_pickled_objects(tmp_path):
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
+class Payload:
+    """Unpickling this runs ``touch marker``: the proof that a loader unpickled it."""
 
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_load_rejects_pickled_objects(tmp_path):
+    marker = tmp_path / "payload-ran"
     p = tmp_path / "ckpt-000000001.pt"
-    torch.save({"format": 1, "model": Evil()}, p)
-    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded"):
+    torch.save({**small_state(1), "model": Payload(marker)}, p)
+    with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.load_checkpoint(p)
+    first = str(info.value).splitlines()[0]
+    assert first == f"{p}: not a valid hpctrain checkpoint: it holds a pickled Python object (posix.system), " \
+                    "not only tensors and plain types, and hpctrain never unpickles those", first
+    assert ckpt.newest_valid(tmp_path) is None
+    assert ckpt.classify(p, "run-a").kind == ckpt.BROKEN
+    assert not marker.exists()
 
 
 def test_load_rejects_foreign_dicts(tmp_path):
@@ -179,3 +193,140 @@ def test_estimate_grows_with_model_and_slots():
     a = ckpt.estimate_bytes(m, 0, 1)
     b = ckpt.estimate_bytes(m, 2, 4)
     assert a > 4_000_000 and b > 3 * 4_000_000
+
+
+# ---------------------------------------------------------------------------- keep-last-K
+def _entries(**kinds):
+    """Entries from ``ours=[steps], other=[...], broken=[...]``."""
+    return [ckpt.Entry(s, Path(ckpt.checkpoint_name(s)), getattr(ckpt, kind.upper()))
+            for kind, steps in kinds.items() for s in steps]
+
+
+@pytest.mark.parametrize("entries, keep, written, delete, quarantine, supersede", [
+    # keep counts the one just written; of this run's older ones the newest keep-1 stay
+    (_entries(ours=[1, 2, 3, 4, 5]), 3, 6, [3, 2, 1], [], []),
+    (_entries(ours=[2, 4]), 1, 6, [4, 2], [], []),
+    # a file that does not load is never counted, never deleted: moved aside
+    (_entries(ours=[2, 4], broken=[9999]), 1, 6, [4, 2], [9999], []),
+    (_entries(ours=[2, 4], broken=[9999]), 5, 6, [], [9999], []),
+    # resumed from step 10 into a directory holding 20 and 30 of the same run: the new save
+    # of step 15 stays, the abandoned 20 and 30 are moved aside, not deleted
+    (_entries(ours=[10, 20, 30]), 1, 15, [10], [], [30, 20]),
+    (_entries(ours=[10, 20, 30]), 3, 15, [], [], [30, 20]),
+    # other runs' checkpoints and foreign files are left alone, whatever their step
+    (_entries(ours=[1, 2], other=[0, 3, 100]), 1, 4, [2, 1], [], []),
+    (_entries(other=[3, 100]), 1, 4, [], [], []),
+    ([], 1, 1, [], [], []),
+])
+def test_plan_prune(entries, keep, written, delete, quarantine, supersede):
+    plan = ckpt.plan_prune(entries, keep, written)
+    steps = lambda paths: [int(ckpt.PATTERN.match(p.name).group(1)) for p in paths]  # noqa: E731
+    assert (steps(plan.delete), steps(plan.quarantine), steps(plan.supersede)) == (delete, quarantine, supersede)
+    with pytest.raises(ValueError, match="keep=0"):
+        ckpt.plan_prune(entries, 0, written)
+
+
+def _names(directory: Path):
+    return sorted(p.name for p in directory.iterdir() if p.is_file())
+
+
+def test_keep_1_with_a_truncated_newer_file_keeps_the_new_save_and_moves_the_file_aside(tmp_path, caplog):
+    """A truncated ckpt-000009999.pt (a copy that ran out of space) outranks every real step by
+    name: it must not count towards keep, nor be deleted, nor make the new save vanish."""
+    for step in (2, 4):
+        ckpt.save(tmp_path, small_state(step), keep=5)
+    bad = tmp_path / ckpt.checkpoint_name(9999)
+    whole = (tmp_path / ckpt.checkpoint_name(4)).read_bytes()
+    data = whole[: len(whole) // 2]
+    bad.write_bytes(data)
+    path, state = ckpt.newest_valid(tmp_path)  # what --resume auto picks
+    assert state["step"] == 4
+    saved = ckpt.save(tmp_path, small_state(6, run_id=ckpt.run_id_of(state)), keep=1)
+    assert saved.step == 6 and ckpt.load_checkpoint(saved.path)["step"] == 6
+    assert _names(tmp_path) == [ckpt.checkpoint_name(6)]
+    assert (tmp_path / "quarantine" / bad.name).read_bytes() == data
+    assert any(str(bad) in m and "quarantine" in m and "truncated or corrupt" in m for m in caplog.messages), \
+        caplog.messages
+    assert ckpt.newest_valid(tmp_path)[1]["step"] == 6
+
+
+def test_resume_from_an_older_step_keeps_the_new_save_and_moves_the_newer_ones_aside(tmp_path, caplog):
+    for step in (10, 20, 30):
+        ckpt.save(tmp_path, small_state(step), keep=3)
+    state = ckpt.load_checkpoint(tmp_path / ckpt.checkpoint_name(10))  # --resume ckpt-000000010.pt
+    saved = ckpt.save(tmp_path, small_state(15, run_id=ckpt.run_id_of(state)), keep=1)
+    assert saved.path.exists() and saved.step == 15
+    assert _names(tmp_path) == [ckpt.checkpoint_name(15)]
+    assert _names(tmp_path / "superseded") == [ckpt.checkpoint_name(20), ckpt.checkpoint_name(30)]
+    assert ckpt.newest_valid(tmp_path)[1]["step"] == 15  # --resume auto continues the resumed run
+    assert any("superseded" in m and ckpt.checkpoint_name(30) in m for m in caplog.messages), caplog.messages
+
+
+def test_prune_never_touches_other_runs_or_foreign_files(tmp_path):
+    ckpt.save(tmp_path, small_state(3, run_id="run-b"), keep=1)
+    legacy = small_state(5)
+    del legacy["run_id"]  # written before run ids existed
+    torch.save(legacy, tmp_path / ckpt.checkpoint_name(5))
+    torch.save({"weights": torch.ones(2)}, tmp_path / ckpt.checkpoint_name(100))  # a user's file
+    before = {n: (tmp_path / n).read_bytes() for n in _names(tmp_path)}
+    for step in (1, 2, 4, 6):
+        ckpt.save(tmp_path, small_state(step, run_id="run-a"), keep=1)
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert _names(tmp_path) == sorted([*before, ckpt.checkpoint_name(6)])
+    kinds = {e.path.name: (e.kind, e.why) for e in map(lambda p: ckpt.classify(tmp_path / p, "run-a"), before)}
+    assert kinds[ckpt.checkpoint_name(3)] == (ckpt.OTHER, "a checkpoint of another run (run id run-b)")
+    assert kinds[ckpt.checkpoint_name(5)][1] == "a checkpoint without a run id (written by an older hpctrain)"
+    assert kinds[ckpt.checkpoint_name(100)][0] == ckpt.OTHER
+
+
+def test_a_save_under_the_name_of_a_file_it_did_not_write_moves_that_file_aside(tmp_path):
+    ckpt.save(tmp_path, small_state(7, run_id="run-b"), keep=1)
+    other = (tmp_path / ckpt.checkpoint_name(7)).read_bytes()
+    ckpt.save(tmp_path, small_state(7, run_id="run-a"), keep=1)
+    assert ckpt.load_checkpoint(tmp_path / ckpt.checkpoint_name(7))["run_id"] == "run-a"
+    assert (tmp_path / "superseded" / ckpt.checkpoint_name(7)).read_bytes() == other
+    (tmp_path / ckpt.checkpoint_name(8)).write_bytes(b"garbage")
+    ckpt.save(tmp_path, small_state(8, run_id="run-a"), keep=1)
+    assert (tmp_path / "quarantine" / ckpt.checkpoint_name(8)).read_bytes() == b"garbage"
+    # this run's own file at the same step is simply replaced (atomically)
+    ckpt.save(tmp_path, small_state(8, run_id="run-a"), keep=1)
+    assert _names(tmp_path) == [ckpt.checkpoint_name(8)] and _names(tmp_path / "quarantine") == [
+        ckpt.checkpoint_name(8)]
+
+
+def test_a_payload_under_a_checkpoint_name_never_runs_and_is_moved_aside(tmp_path, caplog):
+    marker = tmp_path / "payload-ran"
+    ckpt.save(tmp_path, small_state(2), keep=3)
+    evil = tmp_path / ckpt.checkpoint_name(50)
+    torch.save({**small_state(50), "optimizer": Payload(marker)}, evil)
+    assert ckpt.newest_valid(tmp_path)[1]["step"] == 2  # skipped, with a warning naming it
+    assert any(str(evil) in m and "not a valid hpctrain checkpoint" in m for m in caplog.messages)
+    ckpt.save(tmp_path, small_state(3), keep=3)
+    assert (tmp_path / "quarantine" / evil.name).exists() and not evil.exists()
+    assert not marker.exists()
+
+
+def test_run_id_is_carried_through_a_resume_and_new_otherwise():
+    assert ckpt.run_id_of({"run_id": "abc"}) == "abc"
+    fresh = {ckpt.run_id_of(None), ckpt.run_id_of({}), ckpt.run_id_of({"run_id": ""})}
+    assert len(fresh) == 3 and all(len(r) == 32 for r in fresh)
+
+
+def test_save_needs_a_run_id(tmp_path):
+    state = small_state(1)
+    del state["run_id"]
+    with pytest.raises(ValueError, match="run_id"):
+        ckpt.save(tmp_path, state, keep=1)
+    assert not _names(tmp_path)
+
+
+def test_numpy_values_are_stored_as_plain_types(tmp_path):
+    """balance weights computed with numpy (np.float64) would not load with weights_only."""
+    state = ckpt.build_state(step=1, epoch=0, step_in_epoch=1, model=torch.nn.Linear(2, 2),
+                             optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                             scheduler=None, rng=[ckpt.capture_rng()], config={"lr": np.float64(0.1)},
+                             run_id="run-a", extra={"balance_weights": list(np.array([0.25, 0.75])),
+                                                    "counts": np.arange(3)})
+    back = ckpt.load_checkpoint(ckpt.save(tmp_path, state, keep=1).path)
+    assert back["extra"]["balance_weights"] == [0.25, 0.75] and type(back["config"]["lr"]) is float
+    assert torch.equal(back["extra"]["counts"], torch.arange(3))
