@@ -101,14 +101,16 @@ def find_checkpoint(run_dir: PathLike, best: bool = False) -> Path:
 
 
 def _torch_load(path: Path) -> Any:
+    """Through hpctrain's one loader (weights_only; a refusal is one line naming the file)."""
+    from hpctrain.serialization import NotPlainFile, load_plain
+
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        return load_plain(path)
     except FileNotFoundError:
         raise ExportError(f"{path}: no such checkpoint file") from None
-    except Exception as exc:  # truncated, corrupt, not a torch file, or holds pickled objects
-        raise ExportError(f"{path}: cannot be loaded with weights_only=True ({type(exc).__name__}: {exc})\n"
-                          "HINT: pass an hpctrain checkpoint (ckpt-<step>.pt or a pipeline-<step>/ directory)"
-                          ) from None
+    except NotPlainFile as exc:
+        raise ExportError(f"{exc}\nHINT: pass an hpctrain checkpoint (ckpt-<step>.pt or a pipeline-<step>/ "
+                          "directory)") from None
 
 
 def read_checkpoint(path: PathLike) -> Loaded:

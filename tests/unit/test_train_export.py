@@ -22,7 +22,7 @@ def make_run(tmp_path: Path, normalize=None, in_extra: bool = False, name: str =
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     extra = {"normalize": normalize} if in_extra and normalize is not None else {}
     state = ckpt.build_state(step=7, epoch=0, step_in_epoch=7, model=model, optimizer=opt, scheduler=None,
-                             rng=[ckpt.capture_rng()], extra=extra,
+                             rng=[ckpt.capture_rng()], extra=extra, run_id="test-run",
                              config={"model": {"factory": "hpctrain.train.models:mlp", "kwargs": KWARGS}})
     if normalize is not None and not in_extra:
         state["normalize"] = normalize
@@ -135,10 +135,29 @@ def test_weights_that_do_not_fit_the_factory(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     bad = tmp_path / "x.pt"
     bad.write_bytes(b"not a torch file")
-    with pytest.raises(ExportError, match="cannot be loaded with weights_only=True"):
+    with pytest.raises(ExportError, match="x.pt: not a valid hpctrain checkpoint.*\nHINT"):
         load_model(tmp_path, checkpoint=bad)
     with pytest.raises(ExportError, match="no checkpoint that loads in .*\nHINT"):
         load_model(tmp_path)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_payload_is_refused_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt-000000005.pt"
+    torch.save({"step": 5, "model": _Payload(marker), "config": {}}, path)
+    with pytest.raises(ExportError, match="not a valid hpctrain checkpoint.*\nHINT"):
+        load_model(tmp_path, checkpoint=path)
+    assert not marker.exists()
 
 
 def test_pipeline_checkpoint_is_merged_into_one_model(tmp_path):
