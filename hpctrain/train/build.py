@@ -259,11 +259,10 @@ def build_model(cfg: TrainConfig, plan: TrainPlan, world: int) -> Tuple[Any, tor
 
 
 def sync_name(cfg: TrainConfig) -> str:
-    """The ``sync=`` of DistributedOptimizer for ``cfg.sync``."""
+    """The ``sync=`` of DistributedOptimizer for ``cfg.sync`` (not for ``model_average``: the
+    runner merges itself, :mod:`hpctrain.train.averaging`)."""
     if cfg.sync.strategy == "parameter_server":
         return f"parameter_server:{cfg.sync.server_rank}"
-    if cfg.sync.strategy == "model_average":
-        return f"model_average:{cfg.sync.average_every}"
     return cfg.sync.strategy
 
 
@@ -436,7 +435,7 @@ def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: in
     run = Run(cfg=cfg, rank=rank, world=world, plan=plan, model=step_impl.module, opt=step_impl.opt,
               step_impl=step_impl, timeline=attach_timeline(cfg, step_impl.opt, rank), run_dir=Path(cfg.run_dir),
               ckpt_dir=Path(cfg.checkpoint_dir), data_rank=data_rank, data_world=data_world,
-              keys=step_impl.loader_keys())
+              keys=step_impl.loader_keys(), weights=list(plan.weights) if plan.weights else None)
     step_impl.timeline = run.timeline
     slots = {"sgd": 1 if cfg.optimizer.momentum > 0 else 0, "adam": 2, "adamw": 2}[cfg.optimizer.name]
     agree_or_raise(lambda: preflight(cfg, run.ckpt_dir, ckpt.estimate_bytes(run.model, slots, world), resume,
@@ -445,7 +444,7 @@ def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: in
     if state is not None:
         restore(run, state, resumed_from)  # type: ignore[arg-type]
         del state
-    if run.weights is not None:
+    if run.weights is not None and tuple(run.weights) != plan.weights:
         run.plan = make_plan(cfg, [plan.train_samples], [plan.test_samples], world, plan.batch_size, run.weights)
     open_data(run)
     open_outputs(run)

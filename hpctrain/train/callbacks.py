@@ -227,5 +227,8 @@ class Checkpointing(Callback):
 
 
 def builtin_callbacks(run: "Run") -> List[Callback]:
-    """The runner's own hooks, in the order they run after a step."""
-    return [ProgressBar(), Throughput(run), Evaluation(run), Checkpointing(run)]
+    """The runner's own hooks, in the order they run after a step (merges first: what follows
+    sees the merged model)."""
+    from hpctrain.train.averaging import ModelSync
+
+    return [ModelSync(run), ProgressBar(), Throughput(run), Evaluation(run), Checkpointing(run)]

@@ -30,6 +30,7 @@ STRATEGIES = ("allreduce", "parameter_server", "model_average")
 COMPRESSIONS = ("none", "fp16", "bf16")
 BACKENDS = ("mpi", "gloo", "nccl", "horovod")
 POLICIES = ("contiguous", "strided", "weighted")
+BUFFERS = ("average", "broadcast", "none")
 METRICS = ("accuracy", "loss")
 LOSSES = ("cross_entropy", "mse")
 ON_NAN = ("stop", "skip")
@@ -78,6 +79,7 @@ class DataConfig:
     shuffle: bool = True
     drop_last: bool = True
     prefetch: int = 1
+    weights: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _need(bool(self.train), "data.train: no training files given; expected a list of HDF5 paths, "
@@ -87,6 +89,16 @@ class DataConfig:
         _need(set(self.dtypes) <= {"x", "y"}, f"data.dtypes: roles must be 'x'/'y', got {sorted(self.dtypes)}")
         _choice("data.policy", self.policy, POLICIES)
         _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
+        for i, w in enumerate(self.weights):
+            _need(math.isfinite(w) and w > 0, f"data.weights[{i}]: {w} must be a positive number "
+                  "(a rank's or node's relative share of the data)")
+        if self.policy == "weighted":
+            _need(bool(self.weights), "data.policy: weighted needs data.weights: one positive number per rank "
+                  "or per node (e.g. weights: [3, 1]).\nHINT: add data.weights, or use policy: contiguous "
+                  "(with balance: auto to re-weight from measured speed)")
+        else:
+            _need(not self.weights, f"data.weights is used only by data.policy: weighted, not {self.policy!r}\n"
+                  "HINT: set data.policy: weighted, or remove data.weights")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,9 +155,11 @@ class SyncConfig:
     server_rank: int = 0
     backend: str = "mpi"
     fusion_threshold: Optional[int] = None
+    buffers: str = "average"
 
     def __post_init__(self) -> None:
         _choice("sync.strategy", self.strategy, STRATEGIES)
+        _choice("sync.buffers", self.buffers, BUFFERS)
         _choice("sync.compression", self.compression, COMPRESSIONS)
         _choice("sync.backend", self.backend, BACKENDS)
         _need(self.backward_passes_per_step >= 1,

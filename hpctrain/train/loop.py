@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hpctrain import comm
+from hpctrain.train.averaging import ModelSync
 from hpctrain.train.build import Run
 from hpctrain.train.callbacks import Callback
 from hpctrain.train.metrics import RANK_FIELDS, rss_mb, summarize_ranks
@@ -116,6 +117,7 @@ class TrainLoop:
         self.rows = np.zeros((run.world, G_TIMES + len(RANK_FIELDS)))
         self.prev_times = [0.0] * len(RANK_FIELDS)
         self.callbacks: List[Callback] = list(callbacks)
+        self.last_step_skipped = False  # NaN/Inf with on_nan: skip: the step was not applied
 
     # ------------------------------------------------------------------ hooks
     def emit(self, hook: str, *args: Any) -> None:
@@ -126,7 +128,18 @@ class TrainLoop:
                 fn(self, *args)
 
     def sync_model(self) -> None:
-        """Make every rank's model the same before it is evaluated or saved."""
+        """Make every rank's model the same before it is evaluated or saved (collective)."""
+        for cb in self.callbacks:
+            if isinstance(cb, ModelSync):
+                cb.sync(self)
+
+    def rank_samples(self) -> float:
+        """Real samples this rank trained on in the last step (with a pipeline: its replica's
+        batch, which only the last stage counts)."""
+        run = self.run
+        if run.pipe is None:
+            return float(self.rows[run.rank, G_REAL])
+        return float(run.plan.rank_batch_sizes[run.data_rank] * run.plan.accumulation)
 
     def last_rate(self) -> float:
         """Samples per second of the last step (real samples / the slowest rank's step time)."""
@@ -194,9 +207,10 @@ class TrainLoop:
         run.timeline.add("comm-wait", t4, t5)
         self.records.finish(rows)  # the previous step's record now has every rank's timings
         self.rows = rows
-        if rows[:, G_NONFINITE].any() and not self.skip_nonfinite(rows):
+        self.last_step_skipped = bool(rows[:, G_NONFINITE].any())
+        if self.last_step_skipped and not self.skip_nonfinite(rows):
             return False
-        if not rows[:, G_NONFINITE].any():
+        if not self.last_step_skipped:
             self.optimizer_step()
         t_end = time.perf_counter()
         self.prev_times = [t_end - t_step, t_data, total.forward, total.backward, t5 - t4 + total.comm, t_end - t5,

@@ -15,11 +15,12 @@ global batch-mean loss's, exact with unequal per-rank batches), evaluate exactly
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -58,6 +59,37 @@ def eval_result(cfg: TrainConfig, total: np.ndarray) -> Dict[str, Optional[float
     return res
 
 
+class LocalOptimizer:
+    """A torch optimizer with DistributedOptimizer's step protocol and no communication:
+    ``sync.strategy: model_average`` steps each rank alone; the runner merges the models."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer = inner
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: gradients stay local."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        yield
+
+    def step(self) -> Any:
+        return self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
 class DataParallelStep:
     """The whole model on this rank; gradients all-reduced by the optimizer's buckets."""
 
@@ -76,6 +108,9 @@ class DataParallelStep:
         import hpctrain.torch as hvd
 
         cfg = self.cfg
+        if cfg.sync.strategy == "model_average":
+            self.opt = LocalOptimizer(make_optimizer(cfg, self.module.parameters(), lr))
+            return
         self.opt = hvd.DistributedOptimizer(
             make_optimizer(cfg, self.module.parameters(), lr), named_parameters=self.module.named_parameters(),
             compression=getattr(hvd.Compression, cfg.sync.compression),

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import hpctrain
 from hpctrain import comm
@@ -25,7 +25,7 @@ from hpctrain.train.build import (Run, build_run, data_counts, import_factory, i
 from hpctrain.train.callbacks import builtin_callbacks, load_callbacks
 from hpctrain.train.config import TrainConfig
 from hpctrain.train.loop import LoopState, TrainLoop
-from hpctrain.train.plan import TrainPlan, make_plan
+from hpctrain.train.plan import TrainPlan, make_plan, rank_weights
 from hpctrain.train.timeline import chrome_trace, write_trace
 
 __all__ = ["Trainer", "FitResult", "NonFiniteLossError", "import_factory", "data_counts", "make_optimizer",
@@ -54,6 +54,14 @@ class FitResult:
     message: str = ""
     signal: Optional[int] = None
     requeued: bool = False
+
+
+def _node_of_rank(cfg: TrainConfig, world_size: int) -> Optional[List[int]]:
+    """Every rank's node index, when weights are given per node and the world is running
+    (collective then; the same decision on every rank); None otherwise."""
+    if len(cfg.data.weights) == world_size or not comm.is_initialized() or comm.size() != world_size:
+        return None
+    return [int(n) for n in comm.allgather_object(comm.cross_rank())]
 
 
 class Trainer:
@@ -95,7 +103,11 @@ class Trainer:
         train = data_counts(cfg.data.train, keys)
         test = data_counts(cfg.data.test, keys) if cfg.data.test else []
         b = resolve_batch_size(cfg, sum(train) // max(1, data_world))
-        plan = make_plan(cfg, train, test, data_world, b)
+        weights = None
+        if cfg.data.policy == "weighted":
+            weights = rank_weights(cfg.data.weights, data_world, _node_of_rank(cfg, data_world),
+                                   per_node=not pc.enabled)
+        plan = make_plan(cfg, train, test, data_world, b, weights)
         if pc.enabled:
             pp.check_batch(pc, plan.rank_batch_sizes)
         return plan
