@@ -114,6 +114,26 @@ def test_unwritable_checkpoint_dir_fails_before_training(data, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_weighted_policy_dry_run_and_run_agree(data, tmp_path):
+    """data.policy: weighted takes its shares from data.weights; what the run rejects, --dry-run
+    rejects too, with the same line."""
+    cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
+    ok = ["--set", "data.policy=weighted", "--set", "data.weights=[3,1]", "--set", "steps=4"]
+    dry = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", *ok])
+    assert dry.returncode == 0, dry.stderr
+    assert "(24/batch)" in dry.stdout and "(8/batch)" in dry.stdout, dry.stdout
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg), *ok], timeout=180)
+    assert r.returncode == 0 and "status: completed at step 4" in r.stdout, r.stdout[-3000:]
+    for bad, want in ((["--set", "data.weights=[3,1,1]"], "data.weights: 3 numbers for 2 ranks"),
+                      ([], "data.policy: weighted needs data.weights")):
+        argv = ["--set", "data.policy=weighted", *bad, "--set", f"run_dir={tmp_path / 'bad'}"]
+        dry = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", *argv])
+        assert dry.returncode == 2 and want in dry.stderr, dry.stderr
+        r = run_mpi(2, [*HPCTRAIN, "train", str(cfg), *argv], timeout=120)
+        assert r.returncode == 2 and r.stdout.count(want) == 1, r.stdout[-3000:]
+        assert "Traceback" not in r.stdout
+
+
 def test_train_then_report(data, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", "eval: {interval_steps: 10}")
     r = run_mpi(2, [*HPCTRAIN, "train", str(cfg)], timeout=180)

@@ -121,6 +121,9 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
             world, rank = comm.size(), comm.rank()
     try:
         plan = Trainer(cfg, resume=args.resume).make_plan(world)
+        from hpctrain.train.callbacks import load_callbacks
+
+        load_callbacks(cfg.callbacks)
         if cfg.parallel and int(cfg.parallel.get("pipeline_stages", 1)) > 1:
             # a pipeline needs a model it can split: build it once (no communication) and check
             from hpctrain.train.pipeline import check_model, parallel_config

@@ -30,6 +30,7 @@ STRATEGIES = ("allreduce", "parameter_server", "model_average")
 COMPRESSIONS = ("none", "fp16", "bf16")
 BACKENDS = ("mpi", "gloo", "nccl", "horovod")
 POLICIES = ("contiguous", "strided", "weighted")
+BUFFERS = ("average", "broadcast", "none")
 METRICS = ("accuracy", "loss")
 LOSSES = ("cross_entropy", "mse")
 ON_NAN = ("stop", "skip")
@@ -78,6 +79,7 @@ class DataConfig:
     shuffle: bool = True
     drop_last: bool = True
     prefetch: int = 1
+    weights: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _need(bool(self.train), "data.train: no training files given; expected a list of HDF5 paths, "
@@ -87,6 +89,16 @@ class DataConfig:
         _need(set(self.dtypes) <= {"x", "y"}, f"data.dtypes: roles must be 'x'/'y', got {sorted(self.dtypes)}")
         _choice("data.policy", self.policy, POLICIES)
         _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
+        for i, w in enumerate(self.weights):
+            _need(math.isfinite(w) and w > 0, f"data.weights[{i}]: {w} must be a positive number "
+                  "(a rank's or node's relative share of the data)")
+        if self.policy == "weighted":
+            _need(bool(self.weights), "data.policy: weighted needs data.weights: one positive number per rank "
+                  "or per node (e.g. weights: [3, 1]).\nHINT: add data.weights, or use policy: contiguous "
+                  "(with balance: auto to re-weight from measured speed)")
+        else:
+            _need(not self.weights, f"data.weights is used only by data.policy: weighted, not {self.policy!r}\n"
+                  "HINT: set data.policy: weighted, or remove data.weights")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,9 +155,11 @@ class SyncConfig:
     server_rank: int = 0
     backend: str = "mpi"
     fusion_threshold: Optional[int] = None
+    buffers: str = "average"
 
     def __post_init__(self) -> None:
         _choice("sync.strategy", self.strategy, STRATEGIES)
+        _choice("sync.buffers", self.buffers, BUFFERS)
         _choice("sync.compression", self.compression, COMPRESSIONS)
         _choice("sync.backend", self.backend, BACKENDS)
         _need(self.backward_passes_per_step >= 1,
@@ -235,6 +249,7 @@ class TrainConfig:
     threads: int = 0
     device: str = "auto"
     parallel: Dict[str, Any] = field(default_factory=dict)
+    callbacks: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, str):
@@ -270,6 +285,10 @@ class TrainConfig:
             from hpctrain.train.pipeline import check_runner_options
 
             check_runner_options(self, pc)
+        for i, spec in enumerate(self.callbacks):
+            mod, sep, name = spec.rpartition(":")
+            _need(bool(sep and mod and name.isidentifier()),
+                  f"callbacks[{i}]: {spec!r} is not 'file.py:Class' or 'package.module:Class'")
         if self.loss == "mse":
             _need("accuracy" not in self.eval.metrics,
                   "eval.metrics: 'accuracy' needs loss: cross_entropy (classification)")
@@ -455,7 +474,12 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
 
 
 def _resolve_paths(data: Dict[str, Any], base: Path) -> None:
-    """Make relative data paths relative to the YAML file's directory."""
+    """Make relative data paths and callback files relative to the YAML file's directory."""
+    callbacks = data.get("callbacks")
+    if isinstance(callbacks, str):
+        callbacks = [callbacks]
+    if isinstance(callbacks, list):
+        data["callbacks"] = [_resolve_spec(c, base) for c in callbacks]
     d = data.get("data")
     if not isinstance(d, dict):
         return
@@ -467,12 +491,22 @@ def _resolve_paths(data: Dict[str, Any], base: Path) -> None:
             d[role] = [p if not isinstance(p, str) or Path(p).is_absolute() else str(base / p) for p in items]
 
 
+def _resolve_spec(spec: Any, base: Path) -> Any:
+    """``"my.py:Cls"`` -> ``"<base>/my.py:Cls"``; module specs and absolute files unchanged."""
+    if not isinstance(spec, str):
+        return spec
+    mod, sep, name = spec.rpartition(":")
+    if not sep or not mod.endswith(".py") or Path(mod).is_absolute():
+        return spec
+    return f"{base / mod}:{name}"
+
+
 def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = (),
                 data: Optional[Mapping[str, Any]] = None) -> TrainConfig:
     """Read a YAML file (or take ``data``), apply ``--set`` overrides, validate.
 
-    Relative ``data.train``/``data.test`` paths are resolved against the YAML file's
-    directory; ``run_dir`` and ``checkpoint.dir`` against the current directory.
+    Relative ``data.train``/``data.test`` paths and ``callbacks`` files are resolved against
+    the YAML file's directory; ``run_dir`` and ``checkpoint.dir`` against the current directory.
     """
     import yaml
 

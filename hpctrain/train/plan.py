@@ -33,6 +33,7 @@ class TrainPlan:
     lr: float                       # after lr_scaling
     lr_scaling: str
     policy: str
+    weights: Optional[Tuple[float, ...]] = None  # per rank, under the 'weighted' policy
 
     def __post_init__(self) -> None:
         assert len(self.rank_batch_sizes) == self.world_size == len(self.rank_samples)
@@ -74,7 +75,7 @@ def make_plan(cfg: TrainConfig, train_counts: Sequence[int], test_counts: Sequen
         raise ConfigError(f"batch_size {b} must be >= 1")
     policy = "weighted" if weights is not None else cfg.data.policy
     if policy == "weighted" and weights is None:
-        weights = [1.0] * world_size
+        weights = rank_weights(cfg.data.weights, world_size)
     kwargs = dict(seed=cfg.seed, epoch=0, policy=policy, drop_last=cfg.data.drop_last,
                   shuffle=cfg.data.shuffle, weights=weights if policy == "weighted" else None)
     plans = [plan_epoch(list(train_counts), world_size, r, b, **kwargs) for r in range(world_size)]
@@ -99,7 +100,36 @@ def make_plan(cfg: TrainConfig, train_counts: Sequence[int], test_counts: Sequen
         rank_samples=tuple(p.num_real for p in plans), batches_per_epoch=batches, steps_per_epoch=spe,
         total_steps=int(total), epochs=total / spe, base_lr=cfg.optimizer.lr, lr=lr,
         lr_scaling=cfg.lr_scaling, policy=policy,
+        weights=tuple(float(w) for w in weights) if policy == "weighted" else None,  # type: ignore[union-attr]
     )
+
+
+def rank_weights(weights: Sequence[float], world_size: int, node_of_rank: Optional[Sequence[int]] = None,
+                 per_node: bool = True) -> List[float]:
+    """``data.weights`` as one weight per rank: given per rank (``world_size`` numbers) or per
+    node (every rank of a node gets its node's number). ``node_of_rank`` is the node index of
+    every rank; without it (planning for a world not running) nodes are assumed to hold equal
+    blocks of consecutive ranks. ``per_node=False`` (a pipeline's replicas) allows only the
+    first form. ConfigError when the count fits neither."""
+    w = [float(x) for x in weights]
+    if not w:
+        return [1.0] * world_size
+    if len(w) == world_size:
+        return w
+    if not per_node:
+        raise ConfigError(f"data.weights: {len(w)} numbers for {world_size} data-parallel replicas; expected "
+                          f"{world_size} (one per replica: a pipeline shares the data among its replicas)")
+    if node_of_rank is None and world_size % len(w) == 0:
+        node_of_rank = [r // (world_size // len(w)) for r in range(world_size)]
+    if node_of_rank is not None:
+        index = {n: i for i, n in enumerate(sorted(set(node_of_rank)))}
+        if len(index) == len(w):
+            return [w[index[n]] for n in node_of_rank]
+        per = f"{len(index)} (one per node)"
+    else:
+        per = f"a divisor of {world_size} (one per node)"
+    raise ConfigError(f"data.weights: {len(w)} numbers for {world_size} ranks; expected {world_size} (one per "
+                      f"rank) or {per}\nHINT: give one weight per rank or per node")
 
 
 def lr_factor(step: int, total_steps: int, sched: ScheduleConfig) -> float:
