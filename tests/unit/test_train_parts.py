@@ -120,3 +120,34 @@ def test_clip_norm_and_value_and_stage_sum():
     a.grad = torch.tensor([3.0, -7.0])
     clip_gradients([a], max_value=2.0)
     assert a.grad.tolist() == [2.0, -2.0]
+
+
+def test_resource_monitor_samples_in_the_background():
+    import time
+
+    from hpctrain.train.monitor import FIELDS, ResourceMonitor
+
+    calls = []
+    fake_gpu = lambda: calls.append(1) or {"gpu_util": 42.0, "gpu_mem_mb": 1000.0}  # noqa: E731
+    with ResourceMonitor(interval=0.05, gpu=fake_gpu) as mon:
+        x = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.4:     # keep the CPU busy so the utilisation is non-zero
+            x += 1
+        s = mon.latest()
+    assert set(s) == set(FIELDS)
+    assert mon.samples >= 3 and len(calls) == mon.samples
+    assert s["gpu_util"] == 42.0 and s["rss_mb"] > 10 and s["cpu_percent"] > 0
+    n = mon.samples
+    time.sleep(0.2)
+    assert mon.samples == n                     # stopped
+
+
+def test_resource_monitor_drops_a_failing_gpu_reader():
+    from hpctrain.train.monitor import ResourceMonitor
+
+    def broken():
+        raise RuntimeError("NVML gone")
+
+    mon = ResourceMonitor(interval=10, gpu=broken)
+    assert mon.sample_once()["gpu_util"] == -1.0 and mon._gpu is None
