@@ -127,3 +127,44 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     assert b"pack p.h5" in seen  # tqdm drew a bar on the terminal
     r = run(argv + ["--quiet"], tmp_path)
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_shards_of_two_parents_are_named_by_verify_and_refused_by_merge(tmp_path):
+    """A shard set mixed from two parents of different sizes: verify fails naming each
+    parent and its files, merge refuses with one error line and a HINT (no traceback);
+    the shards of one parent still verify and merge back bit-identical."""
+    rng = np.random.default_rng(1)
+    for name, rows in (("a", 400), ("b", 150)):
+        (tmp_path / name).mkdir()
+        np.save(tmp_path / name / "x.npy", rng.normal(size=(rows, 10)).astype(np.float32))
+        r = run(HPCTRAIN + ["data", "pack", f"{name}/x.npy", "--out", f"{name}.h5", "--chunk-rows", "300"], tmp_path)
+        assert r.returncode == 0, r.stderr
+        r = run(HPCTRAIN + ["data", "shard", f"{name}.h5", "-n", "2", "-o", f"sh_{name}"], tmp_path)
+        assert r.returncode == 0, r.stderr
+    (tmp_path / "mixed").mkdir()
+    for src in ("sh_a/a-00000-of-00002.h5", "sh_b/b-00001-of-00002.h5"):
+        os.link(tmp_path / src, tmp_path / "mixed" / Path(src).name)
+
+    r = run(HPCTRAIN + ["data", "verify", "mixed"], tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "all files OK" not in r.stdout and "verification FAILED" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if "different parent files" in x)
+    assert "'a.h5'" in line and "400 samples): a-00000-of-00002.h5" in line
+    assert "'b.h5'" in line and "150 samples): b-00001-of-00002.h5" in line
+
+    r = run([sys.executable, str(ROOT / "data_tools" / "merge.py"), "mixed", "--out", "m.h5"], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("HINT: ") and "hpctrain data verify" in lines[1]
+    assert "come from 2 different parent files" in lines[0] and "'a.h5'" in lines[0] and "'b.h5'" in lines[0]
+    assert not (tmp_path / "m.h5").exists()
+
+    r = run(HPCTRAIN + ["data", "verify", "sh_a"], tmp_path)
+    assert r.returncode == 0 and "all files OK" in r.stdout, r.stdout
+    assert "shard 1 of 2 of 'a.h5'" in r.stdout and "source not recorded" not in r.stdout
+    r = run(HPCTRAIN + ["data", "merge", "sh_a", "--out", "m.h5"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "a.h5") as a, h5py.File(tmp_path / "m.h5") as b:
+        assert a["x"][()].tobytes() == b["x"][()].tobytes() and a["x"].chunks == b["x"].chunks
+        assert dict(a.attrs) == dict(b.attrs)

@@ -21,6 +21,7 @@ VERBS = {
     "slurm": ("hpctrain.cli.slurm", "render and submit sbatch templates"),
     "train": ("hpctrain.cli.train", "train a model from a YAML config"),
     "report": ("hpctrain.cli.report", "plots and a summary of a run directory"),
+    "export": ("hpctrain.cli.export", "write a run's trained model as a state_dict / TorchScript"),
     "selfcheck": ("hpctrain.cli.selfcheck", "check every all-reduce algorithm against MPI_Allreduce"),
 }
 

@@ -231,6 +231,10 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
         q.set_defaults(slurm_func=func)
     q = ssub.add_parser("env", help="show this process's SLURM view (rank, size, nodes, master address)")
     q.set_defaults(slurm_func=cmd_env)
+    # Day-2 verbs (status, cancel, logs) live in their own module.
+    from hpctrain.cli import slurm_jobs
+
+    slurm_jobs.register(ssub)
     p.set_defaults(func=run, no_mpi=True, slurm_parser=p)
 
 

@@ -33,6 +33,6 @@ __all__ = [
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
     "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "tuned_counts", "Handle",
-    "synchronize_all", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
+    "synchronize_all", "cuda_support", "accept_device_buffers", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
     "CollectiveMismatchError", "StallError", "NotInitializedError", "WorldSizeError",
 ]

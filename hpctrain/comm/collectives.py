@@ -1,4 +1,5 @@
-"""Public collectives on numpy arrays and contiguous CPU torch tensors.
+"""Public collectives on numpy arrays and contiguous CPU torch tensors (and device tensors,
+with a CUDA-aware MPI: ``device.py``).
 
 Each one: resolve the group → agree (header check) → run under the watchdog → rebuild the
 caller's type. Blocking calls wait for queued async ones first, so order is kept.
@@ -12,8 +13,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, asyncq, guard, plan, shmsync, tuning
+from . import algorithms, asyncq, device, guard, plan, shmsync, tuning
 from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
+from .device import accept_device_buffers, cuda_support  # noqa: F401 - public through hpctrain.comm
 from .errors import CommError
 from .world import Group, resolve, watchdog
 from .world import _state as _world_state
@@ -135,7 +137,10 @@ def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Opt
     """Start an all-reduce on the background thread; ``handle.wait()`` returns the result."""
     g = resolve(group)
     check_op(op)
-    flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
+    if device.on_device(x):
+        device.ready(x)  # the caller's stream: the worker thread has its own
+    else:
+        flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
     return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace))
 
 
@@ -290,6 +295,8 @@ def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
 
 def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     check_op(op)
+    if device.on_device(x):  # MPI reads device memory itself: its own collective, no host kernels
+        return device.allreduce(g, x, op, inplace)
     flat = flatten(x, writable=inplace, what="allreduce")
     if op in ("min", "max") and flat.array.dtype.kind == "c":
         raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
@@ -448,6 +455,8 @@ def allgather(x: Any, group: Optional[Group] = None) -> Any:
     """Concatenate every rank's ``x`` along dimension 0 (dimension 0 may differ per rank;
     the other dimensions and the dtype must agree)."""
     g = _sync_start(group)
+    if device.on_device(x):
+        return device.allgather(g, x)
     flat = flatten(x, what="allgather")
     rows, rest = _rows(flat)
     dog = watchdog()
@@ -467,6 +476,9 @@ def allgather(x: Any, group: Optional[Group] = None) -> Any:
 def broadcast(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
     """Return a copy of root's ``x`` on every rank (every rank passes the same shape)."""
     g = _sync_start(group)
+    if device.on_device(x):
+        _check_root(root, g)
+        return device.broadcast_(g, x.detach().clone(), root)
     flat = flatten(x, what="broadcast")
     out = flat.array.copy()
     _broadcast_flat(g, flat, out, root)
@@ -476,6 +488,9 @@ def broadcast(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
 def broadcast_(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
     """Overwrite ``x`` with root's ``x`` on every rank; returns ``x``."""
     g = _sync_start(group)
+    if device.on_device(x):
+        _check_root(root, g)
+        return device.broadcast_(g, x, root)
     flat = flatten(x, writable=True, what="broadcast_")
     _broadcast_flat(g, flat, flat.array, root)
     return x
@@ -496,6 +511,8 @@ def reduce_scatter(x: Any, op: str = "sum", group: Optional[Group] = None) -> An
     evenly as possible, the first ranks getting one more)."""
     g = _sync_start(group)
     check_op(op)
+    if device.on_device(x):
+        return device.reduce_scatter(g, x, op)
     flat = flatten(x, what="reduce_scatter")
     rows, rest = _rows(flat)
     row_elems = int(np.prod(rest, dtype=np.int64))
@@ -523,19 +540,11 @@ def alltoall(x: Any, splits: Optional[Sequence[int]] = None, group: Optional[Gro
     """Send rows ``splits[i]`` of ``x`` (dimension 0, in order) to rank i; return the rows
     received (concatenated in rank order) and how many came from each rank."""
     g = _sync_start(group)
+    if device.on_device(x):
+        return device.alltoall(g, x, splits)
     flat = flatten(x, what="alltoall")
     rows, rest = _rows(flat)
-    if splits is None:
-        if rows % g.size:
-            raise ValueError(
-                f"alltoall: {rows} rows cannot be split evenly over {g.size} ranks. HINT: pass splits=[…]"
-            )
-        splits = [rows // g.size] * g.size
-    splits = np.asarray(list(splits), dtype=np.int64)
-    if splits.size != g.size or (splits < 0).any() or int(splits.sum()) != rows:
-        raise ValueError(
-            f"alltoall: splits must be {g.size} non-negative row counts summing to {rows}, got {splits.tolist()}"
-        )
+    splits = plan.alltoall_splits(rows, g.size, splits)
     dog = watchdog()
     header = guard.make_header(0, "alltoall", "-", flat.dtype_name, -1, "-", guard.shape_code(rest))
     guard.agree(g, header, dog)

@@ -32,6 +32,25 @@ def chunk_bounds(length: int, parts: int) -> List[Bounds]:
     return bounds
 
 
+def alltoall_splits(rows: int, size: int, splits=None):
+    """The rows an alltoall sends to each of ``size`` ranks, as int64: ``splits`` checked, or an
+    even split of ``rows``."""
+    import numpy as np
+
+    if splits is None:
+        if rows % size:
+            raise ValueError(
+                f"alltoall: {rows} rows cannot be split evenly over {size} ranks. HINT: pass splits=[…]"
+            )
+        splits = [rows // size] * size
+    counts = np.asarray(list(splits), dtype=np.int64)
+    if counts.size != size or (counts < 0).any() or int(counts.sum()) != rows:
+        raise ValueError(
+            f"alltoall: splits must be {size} non-negative row counts summing to {rows}, got {counts.tolist()}"
+        )
+    return counts
+
+
 def split_counts(length: int, parts: int) -> List[int]:
     return [b - a for a, b in chunk_bounds(length, parts)]
 

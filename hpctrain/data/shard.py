@@ -4,15 +4,21 @@ Sample keys (the root ``keys`` attribute of packed files, else every dataset) ar
 along axis 0 with :func:`shard_ranges` (sizes differ by at most one); other datasets are
 copied whole into each shard. Dtypes, chunk shapes (clamped to the shard length), filters
 and attributes are kept. Each shard records where it came from (``shard_index``,
-``num_shards``, ``shard_start``, ``shard_stop``, the parent's checksums and chunks), so
-``merge`` restores the parent bit for bit and checks it against the parent's checksums.
+``num_shards``, ``shard_start``, ``shard_stop``, the parent's file name, fingerprint,
+checksums and chunks), so ``merge`` restores the parent bit for bit, checks it against the
+parent's checksums, and refuses a set whose shards come from different parents.
+
+The parent fingerprint is computed from the parent alone (sample count, keys, shapes,
+dtypes, recorded checksums and the bytes of its first, middle and last rows): shards of one
+parent written by separate runs (``--only``, one SLURM array task each) carry the same one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import h5py
 
@@ -26,7 +32,7 @@ from hpctrain.data.h5files import (
 )
 
 SHARD_ATTRS = ("shard_index", "num_shards", "shard_start", "shard_stop", "parent_num_samples",
-               "parent_checksums", "parent_chunks")
+               "parent_checksums", "parent_chunks", "parent_name", "parent_fingerprint")
 
 
 def shard_ranges(n: int, num_shards: int) -> List[Tuple[int, int]]:
@@ -58,10 +64,60 @@ def _lengths(f: h5py.File, path: str, keys: Sequence[str]) -> int:
     return next(iter(lengths.values()))
 
 
+def parent_fingerprint(f: h5py.File, path: str, keys: Sequence[str], n: int, sums: Mapping[str, str]) -> str:
+    """A short hash that tells parents apart: layout, recorded checksums and a few rows' bytes
+    (cheap for any size; the full content is covered by the per-key checksums)."""
+    h = hashlib.sha256(json_attr({"num_samples": n, "checksums": dict(sums),
+                                  "keys": {k: [list(f[k].shape), str(f[k].dtype)] for k in keys}}).encode())
+    for k in keys:
+        for i in sorted({0, n // 2, max(n - 1, 0)} if n else set()):
+            try:
+                h.update(np.ascontiguousarray(f[k][i]).tobytes())
+            except Exception as exc:
+                raise read_error(exc, path, k) from exc
+    return h.hexdigest()[:32]
+
+
+def source_of(attrs: Mapping[str, Any]) -> Optional[Tuple[str, str, bool]]:
+    """``(identity, label, recorded)`` of a shard's parent from its attributes; None for a file
+    that is not a shard. Shards written without a fingerprint are told apart by what they do
+    record (the parent's sample count and checksums); ``recorded`` is then False."""
+    if "shard_index" not in attrs:
+        return None
+    n = attrs.get("parent_num_samples")
+    n = None if n is None else int(n)
+    fp = attrs.get("parent_fingerprint")
+    if fp is not None:
+        fp = fp.decode() if isinstance(fp, bytes) else str(fp)
+        name = attrs.get("parent_name", "?")
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return fp, f"{name!r} (fingerprint {fp[:12]}, {n} samples)", True
+    sums = attrs.get("parent_checksums", "")
+    sums = sums.decode() if isinstance(sums, bytes) else str(sums)
+    return f"unrecorded:{n}:{sums}", f"an unrecorded parent of {n} samples", False
+
+
+def describe_sources(groups: Mapping[str, Tuple[str, List[str]]], limit: int = 3) -> str:
+    """``label: file, file, ... and N more; label: ...`` for each parent of a mixed set."""
+    parts = []
+    for label, files in groups.values():
+        names = [os.path.basename(p) for p in files]
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        parts.append(f"{label}: {', '.join(names[:limit])}{more}")
+    return "; ".join(parts)
+
+
+def group_by_source(sources: Sequence[Tuple[str, Optional[Tuple[str, str, bool]]]]) -> Dict[str, Tuple[str, List[str]]]:
+    """The shards among ``(path, source_of(...))`` pairs, grouped by parent (first-seen order)."""
+    groups: Dict[str, Tuple[str, List[str]]] = {}
+    for path, src in sources:
+        if src is not None:
+            groups.setdefault(src[0], (src[1], []))[1].append(path)
+    return groups
+
+
 def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str, bar=None) -> str:
     """Copy rows [lo, hi) of ``src`` to ``dst[0:hi-lo]`` in chunk-aligned slabs; return sha256."""
-    import hashlib
-
     h = hashlib.sha256()
     row = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
     align = dst.chunks[0] if dst.chunks else 1
@@ -114,6 +170,7 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
         parent_sums = {k: f[k].attrs.get(CHECKSUM_ATTR) for k in keys}
         parent_sums = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in parent_sums.items() if v is not None}
         parent_chunks = {k: list(f[k].chunks) if f[k].chunks else None for k in keys}
+        fingerprint = parent_fingerprint(f, src, keys, n, parent_sums)
         ranges = shard_ranges(n, num_shards)
         os.makedirs(out_dir, exist_ok=True)
         wanted = sorted(set(only)) if only is not None else list(range(num_shards))
@@ -138,6 +195,7 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
                             "num_samples": hi - lo, "shard_index": i, "num_shards": num_shards,
                             "shard_start": lo, "shard_stop": hi, "parent_num_samples": n,
                             "parent_checksums": json_attr(parent_sums), "parent_chunks": json_attr(parent_chunks),
+                            "parent_name": Path(src).name, "parent_fingerprint": fingerprint,
                         })
                         if "keys" not in g.attrs:
                             g.attrs["keys"] = json_attr(keys)
@@ -174,22 +232,30 @@ def order_shards(paths: Sequence[str]) -> List[Tuple[str, Optional[int]]]:
     return [(p, i) for p, i, _ in found]
 
 
+def check_one_parent(paths: Sequence[str]) -> None:
+    """Raise a DataError naming the parents when the shards among ``paths`` come from more than one."""
+    sources = []
+    for p in paths:
+        with open_h5(p) as f:
+            sources.append((p, source_of(f.attrs)))
+    groups = group_by_source(sources)
+    if len(groups) > 1:
+        raise DataError(f"these shards come from {len(groups)} different parent files: {describe_sources(groups)}",
+                        hint="merge the shards of one `hpctrain data shard` run only; "
+                             "`hpctrain data verify` lists which file comes from which parent")
+
+
 def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = None, quiet: bool = False) -> str:
     """Concatenate shards (in shard order) into ``out``; check against the parent checksums."""
     if not paths:
         raise ConfigError("no shards to merge")
+    check_one_parent(paths)
     ordered = [p for p, _ in order_shards(paths)]
     files = [open_h5(p) for p in ordered]
     try:
         first = files[0]
         keys = sample_keys(first, ordered[0], keys)
-        counts = [_lengths(f, p, keys) for f, p in zip(files, ordered)]
-        for f, p in zip(files[1:], ordered[1:]):
-            for k in keys:
-                a, b = first[k], get_dataset(f, k, p)
-                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
-                    raise LengthMismatchError(f"sample shape {b.shape[1:]} dtype {b.dtype} differs from "
-                                              f"{ordered[0]}'s {a.shape[1:]} {a.dtype}", path=p, key=k)
+        counts = _check_alike(files, ordered, keys)
         n = sum(counts)
         parent_sums = _attr_json(first, "parent_checksums", {})
         parent_chunks = _attr_json(first, "parent_chunks", {})
@@ -203,8 +269,6 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
                         kw["chunks"] = tuple(parent_chunks[k])
                     d = g.create_dataset(k, shape=(n,) + first[k].shape[1:], **kw)
                     d.attrs.update(dict(first[k].attrs))
-                    import hashlib
-
                     h = hashlib.sha256()
                     pos = 0
                     for f, p, c in zip(files, ordered, counts):
@@ -225,6 +289,25 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
         for f in files:
             f.close()
     return out
+
+
+def _check_alike(files: Sequence[h5py.File], paths: Sequence[str], keys: Sequence[str]) -> List[int]:
+    """The sample count of each file, once every key's sample shape and dtype agree across
+    the files and (for shards) the counts add up to the parent's."""
+    first = files[0]
+    counts = [_lengths(f, p, keys) for f, p in zip(files, paths)]
+    for f, p in zip(files[1:], paths[1:]):
+        for k in keys:
+            a, b = first[k], get_dataset(f, k, p)
+            if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+                raise LengthMismatchError(f"sample shape {b.shape[1:]} dtype {b.dtype} differs from "
+                                          f"{paths[0]}'s {a.shape[1:]} {a.dtype}", path=p, key=k)
+    parent_n = first.attrs.get("parent_num_samples")
+    if parent_n is not None and int(parent_n) != sum(counts):
+        raise LengthMismatchError(f"the shards hold {sum(counts)} samples, their parent had {int(parent_n)}",
+                                  path=paths[0], hint="pass every shard of one `hpctrain data shard` run "
+                                                      "exactly once; `hpctrain data verify` checks a set")
+    return counts
 
 
 def _merge_rows(src: h5py.Dataset, dst: h5py.Dataset, pos: int, count: int, path: str, h, bar) -> None:

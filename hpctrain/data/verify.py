@@ -18,6 +18,7 @@ from hpctrain.data.errors import DataError
 from hpctrain.data.h5files import (
     CHECKSUM_ATTR, NUMERIC_KINDS, chunk_rows_of, dataset_names, open_h5, progress_bar, read_error, slabs,
 )
+from hpctrain.data.shard import SHARD_ATTRS, describe_sources, group_by_source, shard_ranges, source_of
 
 
 def _attr(value: Any) -> Any:
@@ -143,10 +144,36 @@ def verify_file(path: str, keys: Optional[Sequence[str]] = None, bar=None) -> Di
             if recorded is not None and lengths and len(set(lengths.values())) == 1 \
                     and int(recorded) != next(iter(lengths.values())):
                 problems.append(f"attribute num_samples={int(recorded)} but the keys hold {next(iter(lengths.values()))}")
-            entry["shard"] = ({a: _attr(f.attrs[a]) for a in ("shard_index", "num_shards", "parent_checksums")}
-                              if "shard_index" in f.attrs else None)
+            entry["shard"] = _shard_entry(f.attrs, lengths, problems, notes)
     except DataError as exc:
         problems.append(str(exc))
+    return entry
+
+
+def _shard_entry(attrs, lengths: Dict[str, Any], problems: List[str], notes: List[str]) -> Optional[Dict[str, Any]]:
+    """A shard's recorded place in its parent (None for other files), its row range checked
+    against the balanced split of the parent it names."""
+    source = source_of(attrs)
+    if source is None:
+        return None
+    entry = {a: _attr(attrs[a]) for a in SHARD_ATTRS if a in attrs}
+    entry["source"], entry["source_label"], recorded = source[0], source[1], source[2]
+    if not recorded:
+        notes.append("source not recorded (no parent_fingerprint attribute): shards of different parents "
+                     "are told apart only by the parent's sample count and checksums")
+    try:
+        i, total, n = int(entry["shard_index"]), int(entry["num_shards"]), int(entry["parent_num_samples"])
+        start, stop = int(entry["shard_start"]), int(entry["shard_stop"])
+    except (KeyError, TypeError, ValueError):
+        notes.append("row range not recorded: not checked")
+        return entry
+    expected = shard_ranges(n, total)[i] if 0 <= i < total and n >= total else None
+    if expected != (start, stop):
+        problems.append(f"shard {i} of {total} records rows {start}..{stop} of {n}; the split of {n} samples "
+                        f"gives {'no such shard' if expected is None else f'rows {expected[0]}..{expected[1]}'}")
+    held = set(lengths.values())
+    if len(held) == 1 and held != {stop - start}:
+        problems.append(f"shard holds {held.pop()} samples, its recorded rows {start}..{stop} are {stop - start}")
     return entry
 
 
@@ -208,7 +235,12 @@ def verify_paths(paths: Sequence[str], keys: Optional[Sequence[str]] = None, qui
         files = [verify_file(p, keys, bar) for p in paths]
     report: Dict[str, Any] = {"files": files, "problems": []}
     shards = [f["shard"] for f in files if f.get("shard")]
-    if shards and len(shards) == len(files) and len(files) > 1:
+    groups = group_by_source([(f["path"], (f["shard"]["source"], f["shard"]["source_label"], True))
+                              for f in files if f.get("shard")])
+    if len(groups) > 1:
+        report["problems"].append(f"shards from {len(groups)} different parent files in one set: "
+                                  f"{describe_sources(groups, limit=len(files))}")
+    elif shards and len(shards) == len(files) and len(files) > 1:
         totals = {s["num_shards"] for s in shards}
         idx = sorted(s["shard_index"] for s in shards)
         if len(totals) == 1 and idx != list(range(next(iter(totals)))):
@@ -224,6 +256,9 @@ def render_verify(report: Dict[str, Any]) -> str:
     for f in report["files"]:
         status = "OK" if not f["problems"] else "PROBLEMS"
         lines.append(f"{f['path']}: {status}")
+        if f.get("shard"):
+            sh = f["shard"]
+            lines.append(f"  shard {sh.get('shard_index')} of {sh.get('num_shards')} of {sh['source_label']}")
         for k, info in f["keys"].items():
             if "sha256" in info:
                 lines.append(f"  {k:<16} checksum {info['checksum']:<8} NaN {info['nan']:<6} Inf {info['inf']}")

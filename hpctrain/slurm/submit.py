@@ -1,7 +1,9 @@
-"""Submit scripts with ``sbatch`` and follow jobs with ``squeue``/``scontrol``.
+"""Submit scripts with ``sbatch``, follow jobs with ``squeue``/``scontrol``/``sacct``, cancel
+them with ``scancel``.
 
 The only module of ``hpctrain.slurm`` that runs SLURM commands; the parsing it needs
-(:func:`parse_job_id`, :func:`parse_scontrol_show_job`) is pure and unit-tested.
+(:func:`parse_job_id`, :func:`parse_scontrol_show_job`, :mod:`hpctrain.slurm.jobs`) is pure
+and unit-tested.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from hpctrain.slurm.jobs import FINAL_STATES, JobRef, JobRow, key_values
 
 __all__ = [
     "SubmitError",
@@ -23,12 +27,6 @@ __all__ = [
     "has_ended",
     "FINAL_STATES",
 ]
-
-# Job states after which a job (or this run of it) does not change any more.
-FINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-     "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
-)
 
 _SUBMITTED = re.compile(r"Submitted batch job (\d+)")
 _PARSABLE = re.compile(r"^(\d+)(?:;\S+)?$")
@@ -58,13 +56,7 @@ def parse_scontrol_show_job(text: str) -> Dict[str, str]:
     """
     info: Dict[str, str] = {}
     for line in text.splitlines():
-        line = line.strip()
-        # keys start at line start or after a space: Word=...
-        spans = [m.start() for m in re.finditer(r"(?:(?<=\s)|^)[A-Za-z][A-Za-z0-9_:/]*=", line)]
-        for i, start in enumerate(spans):
-            end = spans[i + 1] if i + 1 < len(spans) else len(line)
-            key, _, value = line[start:end].strip().partition("=")
-            info[key] = value
+        info.update(key_values(line.strip()))
     return info
 
 
@@ -151,3 +143,76 @@ def wait_for_job(job_id: int, timeout: float = 300, poll: float = 0.5) -> Dict[s
 def has_ended(info: Mapping[str, str]) -> bool:
     """True for ``scontrol show job``'s record of an ended job, or for ``{}`` (forgotten)."""
     return not info or info.get("JobState", "") in FINAL_STATES
+
+
+# ---------------------------------------------------------------------------- day-2: status, cancel
+class UnknownJobError(SubmitError):
+    """No SLURM tool knows the job (never existed, or forgotten: MinJobAge, no accounting)."""
+
+
+def _run(tool: str, args: Sequence[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([_require(tool), *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"{tool} did not answer within {timeout:.0f} s\n"
+                          "HINT: is slurmctld up? check with `sinfo`") from None
+
+
+def squeue_rows(job: Optional[JobRef] = None, user: Optional[str] = None) -> List[JobRow]:
+    """Pending/running jobs from ``squeue``: one job (its array tasks too), or a user's, or all."""
+    from hpctrain.slurm.jobs import parse_squeue, squeue_format
+
+    args = ["-h", "-o", squeue_format()]
+    args += ["-j", job.job_arg] if job is not None else (["-u", user] if user else [])
+    done = _run("squeue", args)
+    if done.returncode != 0:
+        if job is not None and "Invalid job id" in done.stderr:
+            return []  # squeue forgets a job as soon as it has left the queue
+        raise SubmitError(f"squeue failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()}")
+    return parse_squeue(done.stdout)
+
+
+def scontrol_rows(job: JobRef) -> List[JobRow]:
+    """``scontrol show job``'s records (with the exact StdOut/StdErr); [] once slurmctld forgot it."""
+    from hpctrain.slurm.jobs import parse_scontrol_records, row_from_scontrol
+
+    done = _run("scontrol", ["show", "job", job.job_arg])
+    if done.returncode != 0:
+        return []
+    return [row_from_scontrol(r) for r in parse_scontrol_records(done.stdout)]
+
+
+def sacct_rows(job: JobRef) -> List[JobRow]:
+    """``sacct`` rows of the job and its steps; [] when sacct is absent or accounting is off."""
+    from hpctrain.slurm.jobs import SACCT_FIELDS, accounting_disabled, parse_sacct
+
+    if not shutil.which("sacct"):
+        return []
+    done = _run("sacct", ["-j", job.job_arg, "--parsable2", "-o", ",".join(SACCT_FIELDS)])
+    if done.returncode != 0:
+        if accounting_disabled(done.stderr):
+            return []
+        raise SubmitError(f"sacct failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()}")
+    return parse_sacct(done.stdout)
+
+
+def find_job(job: JobRef) -> List[JobRow]:
+    """The job's rows from the first tool that knows it: scontrol (while slurmctld holds the
+    job: exact log paths), then sacct (after that, if the cluster keeps accounting).
+    Raises UnknownJobError when neither does."""
+    rows = scontrol_rows(job) or sacct_rows(job)
+    if not rows:
+        raise UnknownJobError(
+            f"job {job} is not known to SLURM (scontrol show job and sacct have no record of it)\n"
+            "HINT: check the id with `hpctrain slurm status`; a finished job is forgotten after "
+            "MinJobAge unless the cluster keeps accounting (sacct)")
+    return rows
+
+
+def scancel(job: JobRef) -> None:
+    """``scancel JOB`` (a step such as ``123.0`` cancels only that step); SubmitError with
+    scancel's message when it refuses."""
+    done = _run("scancel", [str(job)])
+    if done.returncode != 0:
+        raise SubmitError(f"scancel {job} failed (exit {done.returncode}): "
+                          f"{(done.stderr or done.stdout).strip()}")

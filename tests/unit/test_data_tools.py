@@ -262,3 +262,73 @@ def test_pack_rejects_bad_inputs(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         pack([str(tmp_path / "missing.npy")], str(tmp_path / "o.h5"))
     assert not os.path.exists(tmp_path / "o.h5")
+
+
+def _drop_source(paths):
+    """Shards as written before the parent's name and fingerprint were recorded."""
+    for p in paths:
+        with h5py.File(p, "r+") as f:
+            del f.attrs["parent_name"], f.attrs["parent_fingerprint"]
+
+
+def _attrs(path):
+    with h5py.File(path, "r") as f:
+        return dict(f.attrs)
+
+
+def test_shards_record_their_parent(tmp_path):
+    np.save(tmp_path / "x.npy", np.arange(1000, dtype=np.float32).reshape(100, 10))
+    pack([str(tmp_path / "x.npy")], str(tmp_path / "p.h5"))
+    paths = shard(str(tmp_path / "p.h5"), 3, str(tmp_path / "s"), quiet=True)
+    # written in separate runs (one shard each), the shards still name one parent
+    again = shard(str(tmp_path / "p.h5"), 3, str(tmp_path / "t"), only=[1], quiet=True)
+    attrs = [_attrs(p) for p in paths + again]
+    assert {a["parent_name"] for a in attrs} == {"p.h5"}
+    assert len({a["parent_fingerprint"] for a in attrs}) == 1
+    assert [(a["shard_start"], a["shard_stop"]) for a in attrs[:3]] == [(0, 34), (34, 67), (67, 100)]
+    # same shapes and size, different content: a different fingerprint
+    np.save(tmp_path / "x.npy", np.arange(1000, dtype=np.float32).reshape(100, 10) + 1)
+    (tmp_path / "q").mkdir()
+    pack([str(tmp_path / "x.npy")], str(tmp_path / "q" / "p.h5"))
+    other = shard(str(tmp_path / "q" / "p.h5"), 3, str(tmp_path / "u"), quiet=True)
+    assert _attrs(other[0])["parent_fingerprint"] != attrs[0]["parent_fingerprint"]
+    mixed = [paths[0], other[1], paths[2]]
+    report = verify_paths(mixed, quiet=True)
+    assert not report["ok"] and any("2 different parent files" in p for p in report["problems"])
+    with pytest.raises(DataError, match="come from 2 different parent files"):
+        merge(mixed, str(tmp_path / "m.h5"), quiet=True)
+
+
+def test_shards_without_a_recorded_source_still_verify(tmp_path):
+    for name, rows in (("a", 90), ("b", 60)):
+        (tmp_path / name).mkdir()
+        np.save(tmp_path / name / "x.npy", np.ones((rows, 4), np.float32))
+        pack([str(tmp_path / name / "x.npy")], str(tmp_path / f"{name}.h5"))
+    a = shard(str(tmp_path / "a.h5"), 3, str(tmp_path / "sa"), quiet=True)
+    b = shard(str(tmp_path / "b.h5"), 3, str(tmp_path / "sb"), quiet=True)
+    _drop_source(a + b)
+    report = verify_paths(a, quiet=True)
+    assert report["ok"], render_verify(report)
+    assert all(any("source not recorded" in n for n in f["notes"]) for f in report["files"])
+    assert all(f["keys"]["x"]["checksum"] == "ok" for f in report["files"])
+    # what is recorded (the parent's size) still tells the two parents apart
+    report = verify_paths([a[0], b[1], a[2]], quiet=True)
+    assert not report["ok"] and "2 different parent files" in report["problems"][0]
+    assert "an unrecorded parent of 90 samples" in report["problems"][0]
+    with pytest.raises(DataError, match="come from 2 different parent files"):
+        merge([a[0], b[1], a[2]], str(tmp_path / "m.h5"), quiet=True)
+    merge(a, str(tmp_path / "m.h5"), quiet=True)
+    with h5py.File(tmp_path / "m.h5") as m, h5py.File(tmp_path / "a.h5") as p:
+        assert m["x"][()].tobytes() == p["x"][()].tobytes()
+
+
+def test_verify_checks_a_shards_recorded_rows(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((10, 2), np.float32))
+    pack([str(tmp_path / "x.npy")], str(tmp_path / "p.h5"))
+    paths = shard(str(tmp_path / "p.h5"), 2, str(tmp_path / "s"), quiet=True)
+    with h5py.File(paths[1], "r+") as f:
+        f.attrs["shard_start"] = 4
+    report = verify_paths(paths, quiet=True)
+    assert not report["ok"]
+    assert "shard 1 of 2 records rows 4..10 of 10; the split of 10 samples gives rows 5..10" in \
+        report["files"][1]["problems"][0]
