@@ -235,6 +235,7 @@ class TrainConfig:
     threads: int = 0
     device: str = "auto"
     parallel: Dict[str, Any] = field(default_factory=dict)
+    callbacks: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, str):
@@ -270,6 +271,10 @@ class TrainConfig:
             from hpctrain.train.pipeline import check_runner_options
 
             check_runner_options(self, pc)
+        for i, spec in enumerate(self.callbacks):
+            mod, sep, name = spec.rpartition(":")
+            _need(bool(sep and mod and name.isidentifier()),
+                  f"callbacks[{i}]: {spec!r} is not 'file.py:Class' or 'package.module:Class'")
         if self.loss == "mse":
             _need("accuracy" not in self.eval.metrics,
                   "eval.metrics: 'accuracy' needs loss: cross_entropy (classification)")
@@ -455,7 +460,12 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
 
 
 def _resolve_paths(data: Dict[str, Any], base: Path) -> None:
-    """Make relative data paths relative to the YAML file's directory."""
+    """Make relative data paths and callback files relative to the YAML file's directory."""
+    callbacks = data.get("callbacks")
+    if isinstance(callbacks, str):
+        callbacks = [callbacks]
+    if isinstance(callbacks, list):
+        data["callbacks"] = [_resolve_spec(c, base) for c in callbacks]
     d = data.get("data")
     if not isinstance(d, dict):
         return
@@ -467,12 +477,22 @@ def _resolve_paths(data: Dict[str, Any], base: Path) -> None:
             d[role] = [p if not isinstance(p, str) or Path(p).is_absolute() else str(base / p) for p in items]
 
 
+def _resolve_spec(spec: Any, base: Path) -> Any:
+    """``"my.py:Cls"`` -> ``"<base>/my.py:Cls"``; module specs and absolute files unchanged."""
+    if not isinstance(spec, str):
+        return spec
+    mod, sep, name = spec.rpartition(":")
+    if not sep or not mod.endswith(".py") or Path(mod).is_absolute():
+        return spec
+    return f"{base / mod}:{name}"
+
+
 def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = (),
                 data: Optional[Mapping[str, Any]] = None) -> TrainConfig:
     """Read a YAML file (or take ``data``), apply ``--set`` overrides, validate.
 
-    Relative ``data.train``/``data.test`` paths are resolved against the YAML file's
-    directory; ``run_dir`` and ``checkpoint.dir`` against the current directory.
+    Relative ``data.train``/``data.test`` paths and ``callbacks`` files are resolved against
+    the YAML file's directory; ``run_dir`` and ``checkpoint.dir`` against the current directory.
     """
     import yaml
 
