@@ -4,7 +4,8 @@
 1. Split scikit-learn's wine set (shipped with scikit-learn) into a stratified 75 % / 25 %
    train/test split with a fixed seed and pack both parts into HDF5 (``hpctrain data pack``).
 2. Train ``examples/wine.yaml``: ``hpctrain launch -n N -- hpctrain train examples/wine.yaml``.
-3. Print the test accuracy and F1; exit 1 when the accuracy is under ``--min-accuracy``.
+3. Print the test accuracy and F1 of the best checkpoint (``checkpoint.keep_best: f1``); exit 1
+   when that accuracy is under ``--min-accuracy``.
 
     python examples/wine.py --ranks 2
 """
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATA = HERE.parent / "runs" / "wine-data"
+ROOT = HERE.parent
+DATA = ROOT / "runs" / "wine-data"
 
 
 def hpctrain() -> list:
@@ -46,13 +48,17 @@ def main() -> int:
     ap.add_argument("--min-accuracy", type=float, default=0.95)
     args = ap.parse_args()
     make_data()
+    run_dir = ROOT / "runs" / "wine"
     subprocess.run([*hpctrain(), "launch", "-n", str(args.ranks), "--", *hpctrain(), "train",
-                    str(HERE / "wine.yaml")], check=True)
-    evals = [json.loads(line) for line in (HERE.parent / "runs" / "wine" / "metrics.jsonl").open()
-             if '"eval"' in line]
-    last = evals[-1]
-    print(f"wine: test accuracy {last['test_accuracy']:.4f}, F1 {last['test_f1']:.4f} "
-          f"after {last['step']} steps on {args.ranks} ranks")
+                    str(HERE / "wine.yaml"), "--set", f"run_dir={run_dir}"], check=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    evals = {r["step"]: r for r in records if r["kind"] == "eval"}
+    best = [r for r in records if r.get("what") == "best_checkpoint"][-1]
+    last = evals[best["step"]]
+    stop = [r for r in records if r.get("what") == "early_stop"]
+    print(f"wine: best checkpoint (F1) at step {best['step']}: test accuracy {last['test_accuracy']:.4f}, "
+          f"F1 {last['test_f1']:.4f}; {'early stop at step %d' % stop[0]['step'] if stop else 'no early stop'}; "
+          f"{args.ranks} ranks")
     return 0 if last["test_accuracy"] >= args.min_accuracy else 1
 
 

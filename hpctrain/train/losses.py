@@ -46,9 +46,12 @@ class LossSpec:
     function: str = ""           # "file.py:fn" or "pkg.mod:fn" (name is then "user")
 
     @property
-    def classification(self) -> bool:
-        """Integer class targets (accuracy, F1, ... apply)."""
-        return self.function == "" and BUILTIN_LOSSES[self.name][1]
+    def classification(self) -> Optional[bool]:
+        """Integer class targets (accuracy, F1, ... apply); None for a user function (the
+        runner decides from the label dtype of the data)."""
+        if self.function:
+            return None
+        return BUILTIN_LOSSES[self.name][1]
 
     def to_config(self) -> Union[str, Dict[str, Any]]:
         if self.function:

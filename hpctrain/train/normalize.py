@@ -79,17 +79,25 @@ class Normalizer(nn.Module):
         if flat.shape[1] != self.shift.numel():
             raise NormalizeError(f"input has {flat.shape[1]} features but the normalisation statistics have "
                                  f"{self.shift.numel()}")
-        return ((flat - self.shift.to(flat.dtype)) / self.scale.to(flat.dtype)).reshape(x.shape)
+        shift = self.shift.to(device=flat.device, dtype=flat.dtype)
+        scale = self.scale.to(device=flat.device, dtype=flat.dtype)
+        return ((flat - shift) / scale).reshape(x.shape)
 
     def state(self) -> Dict[str, object]:
-        """Plain data for a checkpoint (tensors and a string: loads with weights_only=True)."""
-        return {"mode": self.mode, "shift": self.shift.clone(), "scale": self.scale.clone()}
+        """Plain data for a checkpoint (tensors and a string: loads with weights_only=True), in
+        the form ``hpctrain export`` / ``load_model`` read: ``{kind, mean, std}`` or ``{kind, min, max}``."""
+        if self.mode == "standard":
+            return {"kind": "standard", "mean": self.shift.clone(), "std": self.scale.clone()}
+        return {"kind": "minmax", "min": self.shift.clone(), "max": (self.shift + self.scale).clone()}
 
     @classmethod
     def from_state(cls, state: Optional[Mapping[str, object]]) -> Optional["Normalizer"]:
-        if not state:
+        if not state or state.get("kind") == "none":
             return None
-        return cls(str(state["mode"]), torch.as_tensor(state["shift"]), torch.as_tensor(state["scale"]))
+        if "mean" in state:
+            return cls("standard", torch.as_tensor(state["mean"]), torch.as_tensor(state["std"]))
+        low = torch.as_tensor(state["min"])
+        return cls("minmax", low, torch.as_tensor(state["max"]) - low)
 
 
 class Normalized(nn.Module):

@@ -49,10 +49,11 @@ class MetricSpec:
         return "test_" + (self.function.rpartition(":")[2] if self.kind == "user" else self.name)
 
 
-def parse_metrics(values: Sequence[Any], classification: bool) -> List[MetricSpec]:
-    """Check ``eval.metrics`` against the loss kind (no imports)."""
+def parse_metrics(values: Sequence[Any], classification: Optional[bool]) -> List[MetricSpec]:
+    """Check ``eval.metrics`` against the loss kind (no imports; ``None``: a user loss, whose
+    kind the runner learns from the data's labels)."""
     specs = [_parse_one(v) for v in values]
-    for s in specs:
+    for s in specs if classification is not None else ():
         if s.kind in ("classification", "topk") and not classification:
             raise MetricError(f"eval.metrics: {s.name!r} needs a classification loss (cross_entropy)\n"
                               "HINT: use mse, mae or r2 for regression")
