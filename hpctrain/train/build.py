@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hpctrain import comm
 from hpctrain.train import checkpoint as ckpt
@@ -81,10 +80,38 @@ def make_optimizer(cfg: TrainConfig, params: Any, lr: float) -> torch.optim.Opti
 
 def per_sample_loss(cfg: TrainConfig, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Loss of every sample of the batch (weighted by the padding mask by the caller)."""
-    if cfg.loss == "cross_entropy":
-        return F.cross_entropy(out, y.long(), reduction="none")
-    diff = (out - y.to(out.dtype).reshape(out.shape)) ** 2
-    return diff.reshape(diff.shape[0], -1).mean(dim=1)
+    from hpctrain.train.losses import build_loss, parse_loss
+
+    return build_loss(parse_loss(cfg.loss), importer=lambda spec: import_factory(spec, "loss"))(out, y)
+
+
+#: built-in factories whose input width and class count the runner fills in from the data
+BUILTIN_MODELS = {"hpctrain.train.models:mlp": ("in_features", "num_classes"),
+                  "hpctrain.train.models:cnn": (None, "num_classes")}
+
+
+def infer_model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
+    """``model.kwargs`` with the built-in models' ``in_features`` / ``num_classes`` taken from
+    the training data when not given (the same on every rank: HDF5 metadata and labels)."""
+    kwargs = dict(cfg.model.kwargs)
+    wanted = BUILTIN_MODELS.get(cfg.model.factory)
+    if wanted is None:
+        return kwargs
+    from hpctrain.data.h5files import describe, expand_paths
+    from hpctrain.data.labels import label_range
+    from hpctrain.train.losses import parse_loss
+
+    features, classes = wanted
+    if features and features not in kwargs:
+        xk = cfg.data.keys["x"]
+        shape = describe(expand_paths(list(cfg.data.train))[0], [xk]).keys[xk].shape[1:]
+        kwargs[features] = int(np.prod(shape, dtype=np.int64))
+    spec = parse_loss(cfg.loss)
+    if classes not in kwargs and spec.classification is not False:
+        labels = label_range(cfg.data.train, cfg.data.keys["y"])
+        if labels.whole and labels.low >= 0:
+            kwargs[classes] = int(labels.high) + 1
+    return kwargs
 
 
 def resolve_batch_size(cfg: TrainConfig, max_batch: int) -> int:
@@ -102,13 +129,17 @@ def resolve_batch_size(cfg: TrainConfig, max_batch: int) -> int:
     xshape, yshape = info.keys[xk].shape[1:], info.keys[yk].shape[1:]
     xdt = _torch_dtype(cfg.data.dtypes.get("x", "float32")) or torch.float32
     factory = import_factory(cfg.model.factory)
+    kwargs = infer_model_kwargs(cfg)
+    from hpctrain.train.losses import parse_loss
+
+    classify = parse_loss(cfg.loss).classification is not False
 
     def make_batch(b: int) -> Tuple[torch.Tensor, torch.Tensor]:
         x = torch.rand((b, *xshape)).to(xdt)
-        y = torch.zeros((b,), dtype=torch.long) if cfg.loss == "cross_entropy" else torch.zeros((b, *yshape))
+        y = torch.zeros((b,), dtype=torch.long) if classify else torch.zeros((b, *yshape))
         return x, y
 
-    res = tune_batch_size(lambda: factory(**cfg.model.kwargs), make_batch,
+    res = tune_batch_size(lambda: factory(**kwargs), make_batch,
                           lambda params: make_optimizer(cfg, params, cfg.optimizer.lr),
                           lambda out, y: per_sample_loss(cfg, out, y).mean(),
                           base_lr=cfg.optimizer.lr, base_batch=1, lr_rule="none", max_batch=max(1, max_batch),
@@ -246,7 +277,7 @@ def build_model(cfg: TrainConfig, plan: TrainPlan, world: int) -> Tuple[Any, tor
 
     pc = pp.parallel_config(cfg)
     seed_shared(cfg.seed)
-    model = import_factory(cfg.model.factory)(**cfg.model.kwargs)
+    model = import_factory(cfg.model.factory)(**infer_model_kwargs(cfg))
     if pc.enabled:
         # Pure checks (identical on every rank) before the first message.
         pp.check_model(pc, model, world, cfg.model.factory)
@@ -360,6 +391,7 @@ def find_resume(resume: Optional[str], ckpt_dir: Path, pipeline: bool, rank: int
 def restore(run: Run, state: Dict[str, Any], path: Path) -> None:
     """Continue from a loaded checkpoint: weights, optimizer, position, RNG, data shares."""
     run.step_impl.restore(state, path)
+    run.step_impl.task.load_state(state.get("extra") or {})
     run.step, run.epoch, run.skip = int(state["step"]), int(state["epoch"]), int(state["step_in_epoch"])
     weights = state.get("extra", {}).get("balance_weights")
     if int(state["world_size"]) == run.world:
@@ -429,6 +461,9 @@ def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: in
 
     model, device = build_model(cfg, plan, world)
     step_impl = build_step(cfg, model, plan, device, world, rank)
+    from hpctrain.train.task import build_task
+
+    step_impl.task = build_task(cfg, device, import_factory)
     seed_per_rank(cfg.seed, rank)
     step_impl.build_optimizer(plan.lr)
     data_rank, data_world = step_impl.data_rank, step_impl.data_world
@@ -450,5 +485,24 @@ def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: in
     if run.weights is not None and tuple(run.weights) != plan.weights:
         run.plan = make_plan(cfg, [plan.train_samples], [plan.test_samples], world, plan.batch_size, run.weights)
     open_data(run)
+    if cfg.data.normalize != "none" and step_impl.task.normalizer is None:
+        step_impl.task.normalizer = normalizer_from_data(run)
     open_outputs(run)
     return run
+
+
+def normalizer_from_data(run: Run) -> Any:
+    """Collective: ``data.normalize`` statistics over every rank's share of the training data
+    (read once, in order; a resumed run takes them from its checkpoint instead)."""
+    from hpctrain.data import HDF5Dataset
+    from hpctrain.train.task import compute_normalizer
+
+    cfg = run.cfg
+    xk = cfg.data.keys["x"]
+    ds = HDF5Dataset(cfg.data.train, keys=[xk], batch_size=run.plan.batch_size, policy="contiguous",
+                     shuffle=False, drop_last=False, rank=run.data_rank, world_size=run.data_world,
+                     dtypes={xk: cfg.data.dtypes.get("x", "float32")}, prefetch=0)
+    try:
+        return compute_normalizer(cfg, iter(ds), xk)
+    finally:
+        ds.close()

@@ -117,9 +117,12 @@ class ProgressBar(Callback):
             return
         st = loop.state
         acc = results.get("test_accuracy")
+        others = [f"test {k[5:]} {v:.4f}" for k, v in results.items()
+                  if isinstance(v, float) and k not in ("test_loss", "test_accuracy", "test_samples")]
         msg = (f"step {st.step}/{loop.run.plan.total_steps} epoch {st.epoch}: loss {st.last_loss:.4f}, "
                f"test loss {results.get('test_loss') or float('nan'):.4f}"
-               + (f", test accuracy {acc:.4f}" if acc is not None else ""))
+               + (f", test accuracy {acc:.4f}" if acc is not None else "")
+               + "".join(", " + o for o in others))
         (self.bar.write(msg) if self.bar is not None else log.info(msg))
 
     def close(self, loop: "TrainLoop") -> None:
@@ -226,9 +229,71 @@ class Checkpointing(Callback):
         loop.emit("on_checkpoint", st.last_ckpt)
 
 
+class BestCheckpoint(Callback):
+    """``checkpoint.keep_best: METRIC``: after an evaluation that improved METRIC, the model
+    is written to ``ckpt-best.pt`` beside the newest checkpoints (atomically; resume and the
+    keep-N rule ignore it; ``hpctrain export --best`` reads it)."""
+
+    def on_eval_end(self, loop: "TrainLoop", results: Dict[str, Optional[float]]) -> None:
+        run, st = loop.run, loop.state
+        task = run.step_impl.task
+        if task.best is None or not run.cfg.checkpoint.enabled:
+            return
+        verdict = task.best.update(results)
+        if verdict.improved:
+            path = run.step_impl.save_best(run.ckpt_dir, st.step, st.position(run.plan), run.weights)
+            run.metrics.write({"kind": "event", "step": st.step, "what": "best_checkpoint",
+                               "metric": task.best.metric, "value": verdict.best, "path": path})
+
+
+class EarlyStopping(Callback):
+    """``early_stopping: {metric, mode, patience, min_delta}``: stop (with a checkpoint) when
+    METRIC has not improved for ``patience`` evaluations. The scores are all-reduced, so every
+    rank takes the same decision at the same step."""
+
+    def on_eval_end(self, loop: "TrainLoop", results: Dict[str, Optional[float]]) -> None:
+        run, st = loop.run, loop.state
+        stopper = run.step_impl.task.stopper
+        if stopper is None:
+            return
+        verdict = stopper.update(results)
+        if verdict.stop and st.step < run.plan.total_steps:
+            st.early_stop = True
+            st.message = (f"early stopping: {stopper.metric} did not improve by more than {stopper.min_delta} for "
+                          f"{stopper.patience} evaluations (best {verdict.best:.4f}); stopped at step {st.step}")
+            run.metrics.write({"kind": "event", "step": st.step, "what": "early_stop", "metric": stopper.metric,
+                               "best": verdict.best})
+
+
+class Resources(Callback):
+    """The background resource monitor (:mod:`hpctrain.train.monitor`) of this rank, read by
+    the loop into the per-step gather (``monitor_interval`` seconds; 0: off)."""
+
+    def __init__(self) -> None:
+        self.monitor: Any = None
+
+    def on_fit_start(self, loop: "TrainLoop") -> None:
+        run = loop.run
+        if run.cfg.monitor_interval <= 0:
+            return
+        from hpctrain.train.monitor import ResourceMonitor, nvml_reader
+
+        dev = getattr(run.step_impl, "device", None)
+        gpu = nvml_reader(dev.index or 0) if dev is not None and dev.type == "cuda" else None
+        self.monitor = ResourceMonitor(run.cfg.monitor_interval, gpu=gpu).start()
+        loop.monitor = self.monitor
+
+    def close(self, loop: "TrainLoop") -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+
+
 def builtin_callbacks(run: "Run") -> List[Callback]:
-    """The runner's own hooks, in the order they run after a step (merges first: what follows
-    sees the merged model)."""
+    """The runner's own hooks, in the order they run after a step: merges first (what follows
+    sees the merged model), the evaluation's hooks before the checkpoint's (an early stop is
+    saved at its step)."""
     from hpctrain.train.averaging import ModelSync
 
-    return [ModelSync(run), ProgressBar(), Throughput(run), Evaluation(run), Checkpointing(run)]
+    return [ModelSync(run), Resources(), ProgressBar(), Throughput(run), Evaluation(run), BestCheckpoint(),
+            EarlyStopping(), Checkpointing(run)]

@@ -31,11 +31,11 @@ COMPRESSIONS = ("none", "fp16", "bf16")
 BACKENDS = ("mpi", "gloo", "nccl", "horovod")
 POLICIES = ("contiguous", "strided", "weighted")
 BUFFERS = ("average", "broadcast", "none")
-METRICS = ("accuracy", "loss")
-LOSSES = ("cross_entropy", "mse")
+PRECISIONS = ("fp32", "bf16", "fp16")
+NORMALIZE = ("none", "standard", "minmax")
 ON_NAN = ("stop", "skip")
 BALANCE = ("off", "auto")
-DICT_KEYS = ("model.kwargs", "data.keys", "data.dtypes", "parallel")
+DICT_KEYS = ("model.kwargs", "data.keys", "data.dtypes", "parallel", "early_stopping", "loss")
 
 
 class ConfigError(ValueError):
@@ -80,6 +80,7 @@ class DataConfig:
     drop_last: bool = True
     prefetch: int = 1
     weights: List[float] = field(default_factory=list)
+    normalize: str = "none"      # standard | minmax: statistics over all ranks' training inputs
 
     def __post_init__(self) -> None:
         _need(bool(self.train), "data.train: no training files given; expected a list of HDF5 paths, "
@@ -88,6 +89,7 @@ class DataConfig:
               f"(mapping to dataset names), got {sorted(self.keys)}")
         _need(set(self.dtypes) <= {"x", "y"}, f"data.dtypes: roles must be 'x'/'y', got {sorted(self.dtypes)}")
         _choice("data.policy", self.policy, POLICIES)
+        _choice("data.normalize", self.normalize, NORMALIZE)
         _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
         for i, w in enumerate(self.weights):
             _need(math.isfinite(w) and w > 0, f"data.weights[{i}]: {w} must be a positive number "
@@ -181,8 +183,6 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _need(self.interval_steps >= 0, f"eval.interval_steps: {self.interval_steps} < 0")
-        for m in self.metrics:
-            _choice("eval.metrics[]", m, METRICS)
         _need(self.batch_size >= 1, f"eval.batch_size: {self.batch_size} must be >= 1")
 
 
@@ -196,6 +196,7 @@ class CheckpointConfig:
     interval_steps: int = 0
     keep: int = 3
     enabled: bool = True
+    keep_best: str = ""          # an eval metric: also keep the best checkpoint by it (ckpt-best.pt)
 
     def __post_init__(self) -> None:
         _need(self.interval_steps >= 0, f"checkpoint.interval_steps: {self.interval_steps} < 0")
@@ -230,7 +231,12 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     batch_size: Union[int, str] = 32
     lr_scaling: str = "linear"
-    loss: str = "cross_entropy"
+    loss: Union[str, Dict[str, Any]] = "cross_entropy"
+    precision: str = "fp32"
+    clip_grad_norm: float = 0.0
+    clip_grad_value: float = 0.0
+    early_stopping: Dict[str, Any] = field(default_factory=dict)
+    monitor_interval: float = 1.0
     epochs: int = 0
     steps: int = 0
     seed: int = 0
@@ -257,7 +263,11 @@ class TrainConfig:
         else:
             _need(self.batch_size >= 1, f"batch_size: {self.batch_size}; expected a positive integer or 'auto'")
         _choice("lr_scaling", self.lr_scaling, LR_SCALING)
-        _choice("loss", self.loss, LOSSES)
+        _choice("precision", self.precision, PRECISIONS)
+        _need(self.clip_grad_norm >= 0 and self.clip_grad_value >= 0,
+              "clip_grad_norm / clip_grad_value must be >= 0 (0: no clipping)")
+        _need(self.monitor_interval >= 0, f"monitor_interval: {self.monitor_interval} < 0 (seconds; 0: off)")
+        self._check_loss_and_metrics()
         _choice("balance", self.balance, BALANCE)
         _choice("on_nan", self.on_nan, ON_NAN)
         _need(self.device in ("auto", "cpu", "cuda"), f"device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
@@ -289,9 +299,31 @@ class TrainConfig:
             mod, sep, name = spec.rpartition(":")
             _need(bool(sep and mod and name.isidentifier()),
                   f"callbacks[{i}]: {spec!r} is not 'file.py:Class' or 'package.module:Class'")
-        if self.loss == "mse":
-            _need("accuracy" not in self.eval.metrics,
-                  "eval.metrics: 'accuracy' needs loss: cross_entropy (classification)")
+
+    def _check_loss_and_metrics(self) -> None:
+        """``loss``, ``eval.metrics``, ``early_stopping`` and ``checkpoint.keep_best`` agree."""
+        from hpctrain.train.losses import LossError, parse_loss
+        from hpctrain.train.scoring import MetricError, parse_metrics
+        from hpctrain.train.stopping import Improvement, StoppingError
+
+        try:
+            spec = parse_loss(self.loss)
+            metrics = parse_metrics(self.eval.metrics, spec.classification)
+            watched = [m for m in (self.early_stopping.get("metric"), self.checkpoint.keep_best) if m]
+            if self.early_stopping:
+                unknown = sorted(set(self.early_stopping) - {"metric", "mode", "patience", "min_delta"})
+                _need(not unknown, f"early_stopping: unknown key(s) {', '.join(unknown)}; "
+                      "valid keys: metric, mode, patience, min_delta")
+                _need("metric" in self.early_stopping, "early_stopping: needs metric, e.g. {metric: f1, patience: 5}")
+                Improvement(**{k: v for k, v in self.early_stopping.items()})
+        except (LossError, MetricError, StoppingError, TypeError) as exc:
+            raise ConfigError(str(exc)) from None
+        names = {m.key[5:] for m in metrics}
+        for m in watched:
+            _need(m in names, f"{m!r} is watched (early_stopping / checkpoint.keep_best) but not computed\n"
+                  f"HINT: add {m} to eval.metrics (now: {', '.join(self.eval.metrics)})")
+        _need(not watched or bool(self.data.test),
+              "early_stopping / checkpoint.keep_best need evaluations\nHINT: give data.test files")
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -474,12 +506,20 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
 
 
 def _resolve_paths(data: Dict[str, Any], base: Path) -> None:
-    """Make relative data paths and callback files relative to the YAML file's directory."""
+    """Make relative data paths and user files (model factory, loss, metrics, callbacks)
+    relative to the YAML file's directory: one rule for every path in a config."""
     callbacks = data.get("callbacks")
     if isinstance(callbacks, str):
         callbacks = [callbacks]
     if isinstance(callbacks, list):
         data["callbacks"] = [_resolve_spec(c, base) for c in callbacks]
+    if isinstance(data.get("model"), dict) and "factory" in data["model"]:
+        data["model"]["factory"] = _resolve_spec(data["model"]["factory"], base)
+    if isinstance(data.get("loss"), str):
+        data["loss"] = _resolve_spec(data["loss"], base)
+    ev = data.get("eval")
+    if isinstance(ev, dict) and isinstance(ev.get("metrics"), list):
+        ev["metrics"] = [_resolve_spec(m, base) for m in ev["metrics"]]
     d = data.get("data")
     if not isinstance(d, dict):
         return

@@ -54,12 +54,13 @@ class LoopState:
     signal: Optional[int] = None
     stop_now: bool = False          # a rank received a stop signal at this step
     debug_stop: bool = False        # debug.stop_at_step reached
+    early_stop: bool = False        # early_stopping's patience ran out
     t_train: float = 0.0
 
     @property
     def stopping(self) -> bool:
         """This step is the last one of the run (a signal or ``debug.stop_at_step``)."""
-        return self.stop_now or self.debug_stop
+        return self.stop_now or self.debug_stop or self.early_stop
 
     def position(self, plan: TrainPlan) -> Tuple[int, int]:
         """(epoch, step in epoch) to resume from after this step."""
@@ -80,7 +81,7 @@ class TrainRecords:
     def begin(self, step: int, epoch: int, rows: np.ndarray, loss: float, lr: float) -> None:
         total_real = float(rows[:, G_REAL].sum())
         train_acc = (float(rows[:, G_CORRECT].sum() / total_real)
-                     if total_real and self.run.cfg.loss == "cross_entropy" else None)
+                     if total_real and self.run.step_impl.task.classification else None)
         self.pending = {"kind": "train", "step": step, "epoch": epoch, "loss": loss, "train_accuracy": train_acc,
                         "lr": lr, "samples": total_real, "time": time.time() - self.wall_start}
 
@@ -99,7 +100,8 @@ class TrainRecords:
         self.run.metrics.write(rec)
         tb = self.run.tb
         if tb is not None:
-            for key in ("loss", "lr", "samples_per_s", "step_time", "comm", "compute"):
+            for key in ("loss", "lr", "samples_per_s", "step_time", "comm", "compute", "rss_mb", "cpu_percent",
+                        "gpu_util", "gpu_mem_mb"):
                 tb.add_scalar("train/" + key, rec[key], rec["step"])
         self.pending = None
 
@@ -118,6 +120,7 @@ class TrainLoop:
         self.prev_times = [0.0] * len(RANK_FIELDS)
         self.callbacks: List[Callback] = list(callbacks)
         self.last_step_skipped = False  # NaN/Inf with on_nan: skip: the step was not applied
+        self.monitor: Any = None        # the Resources callback's ResourceMonitor, when on
 
     # ------------------------------------------------------------------ hooks
     def emit(self, hook: str, *args: Any) -> None:
@@ -140,6 +143,14 @@ class TrainLoop:
         if run.pipe is None:
             return float(self.rows[run.rank, G_REAL])
         return float(run.plan.rank_batch_sizes[run.data_rank] * run.plan.accumulation)
+
+    def resources(self) -> List[float]:
+        """RSS, CPU %, GPU % and GPU MiB of this rank from the monitor's latest sample (the
+        sampling runs in its own thread; -1: not measured)."""
+        if self.monitor is None:
+            return [rss_mb(), -1.0, -1.0, -1.0]
+        s = self.monitor.latest()
+        return [s["rss_mb"], s["cpu_percent"], s["gpu_util"], s["gpu_mem_mb"]]
 
     def last_rate(self) -> float:
         """Samples per second of the last step (real samples / the slowest rank's step time)."""
@@ -214,7 +225,7 @@ class TrainLoop:
             self.optimizer_step()
         t_end = time.perf_counter()
         self.prev_times = [t_end - t_step, t_data, total.forward, total.backward, t5 - t4 + total.comm, t_end - t5,
-                           rss_mb()]
+                           *self.resources()]
         total_real = float(rows[:, G_REAL].sum())
         st.last_loss = float(rows[:, G_LOSS].sum() / total_real) if total_real else float("nan")
         self.records.begin(st.step + 1, st.epoch, rows, st.last_loss, float(run.opt.param_groups[0]["lr"]))
@@ -259,10 +270,34 @@ class TrainLoop:
         for g in run.opt.param_groups:
             g["lr"] = lr_now
         t6 = time.perf_counter()
-        with run.opt.skip_synchronize():
-            run.opt.step()
+        if self.prepare_gradients():
+            with run.opt.skip_synchronize():
+                run.opt.step()
         run.opt.zero_grad()
         run.timeline.add("optimizer", t6, time.perf_counter())
+
+    def prepare_gradients(self) -> bool:
+        """After the all-reduce, before the step: fp16's agreed overflow check (False: every
+        rank skips this step) and clipping of the global gradient (Horovod's synchronize(),
+        clip, skip_synchronize() idiom, done for the user)."""
+        run, cfg = self.run, self.run.cfg
+        task = run.step_impl.task
+        params = [p for p in run.model.parameters() if p.grad is not None]
+        if task.scaler is not None and not task.scaler.unscale_and_check(params):
+            if run.rank == 0:
+                log.info("fp16: gradient overflow at step %d on some rank; step skipped on every rank, "
+                         "loss scale now %g", self.state.step, task.scaler.scale)
+            return False
+        if cfg.clip_grad_norm > 0 or cfg.clip_grad_value > 0:
+            from hpctrain.train.clipping import clip_gradients
+
+            stages = None
+            if run.pipe is not None:
+                # Replicas hold equal gradients after their all-reduce: the world's sum counts
+                # every stage data_world times.
+                stages = lambda local: float(comm.allreduce(np.array([local]), op="sum")[0]) / run.data_world  # noqa: E731
+            clip_gradients(params, cfg.clip_grad_norm, cfg.clip_grad_value, squared_norm_sum=stages)
+        return True
 
     def skip_nonfinite(self, rows: np.ndarray) -> bool:
         """NaN/Inf on some rank: skip the step on every rank (True) or stop the run (False)."""
@@ -291,6 +326,8 @@ class TrainLoop:
             st.signal = int(self.rows[:, G_STOP].max())
             st.message = (f"stop signal received: checkpoint {st.last_ckpt} written at step {st.step}; "
                           "rerun with --resume auto to continue")
+        elif st.early_stop:
+            st.status = "stopped"     # early_stopping's message says why
         else:
             st.status = "stopped"
             st.message = f"debug.stop_at_step={self.run.cfg.debug.stop_at_step}: stopped at step {st.step}"

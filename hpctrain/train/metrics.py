@@ -5,7 +5,9 @@
 - ``{"kind": "train", "step", "epoch", "loss", "lr", "samples", "samples_per_s", "step_time",
   "data_wait", "forward", "backward", "compute", "comm", "optimizer", "rss_mb", "time",
   "rank_step_time": [...], "rank_compute": [...], "rank_comm": [...], "rank_data_wait": [...],
-  "rank_rss_mb": [...]}`` — one per optimizer step; times in seconds; ``rank_*`` lists are
+  "rank_rss_mb": [...], "rank_cpu_percent": [...], "rank_gpu_util": [...], "rank_gpu_mem_mb": [...]}``
+  — one per optimizer step (CPU/GPU utilisation and memory from a background sampler; -1 where
+  not measured); times in seconds; ``rank_*`` lists are
   indexed by rank; ``loss`` is the mean over every rank's real (non-padding) samples.
 - ``{"kind": "eval", "step", "epoch", "test_loss", "test_accuracy", "test_samples"}``
 - ``{"kind": "event", "step", "what", ...}`` — stragglers, re-balancing, NaN, resume, stop.
@@ -25,7 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence
 log = logging.getLogger("hpctrain.train")
 
 #: Fields each rank contributes to the per-step gather, in order.
-RANK_FIELDS = ("step_time", "data_wait", "forward", "backward", "comm", "optimizer", "rss_mb")
+RANK_FIELDS = ("step_time", "data_wait", "forward", "backward", "comm", "optimizer", "rss_mb", "cpu_percent",
+               "gpu_util", "gpu_mem_mb")
 
 
 def rss_mb() -> float:

@@ -72,6 +72,11 @@ def check_runner_options(cfg: TrainConfig, pc: ParallelConfig) -> None:
     if cfg.batch_size == "auto":
         problems.append("batch_size: auto (the tuner measures a whole model on one rank; give the per-replica "
                         "batch, e.g. batch_size: 64)")
+    if cfg.checkpoint.keep_best:
+        problems.append("checkpoint.keep_best (pipeline checkpoints are one folder per step; export the newest "
+                        "with hpctrain export)")
+    if cfg.precision != "fp32":
+        problems.append(f"precision: {cfg.precision} (stages exchange fp32 activations; set precision: fp32)")
     if problems:
         raise ConfigError(f"parallel.pipeline_stages: {pc.pipeline_stages} cannot be combined with "
                           + "; ".join(problems))

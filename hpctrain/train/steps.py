@@ -28,7 +28,7 @@ import torch
 from hpctrain import comm
 from hpctrain.train import checkpoint as ckpt
 from hpctrain.train import pipeline as pp
-from hpctrain.train.build import make_optimizer, per_sample_loss, sync_name
+from hpctrain.train.build import make_optimizer, sync_name
 from hpctrain.train.config import TrainConfig
 from hpctrain.train.plan import TrainPlan
 from hpctrain.train.timeline import Timeline
@@ -130,19 +130,21 @@ class DataParallelStep:
         t1 = time.perf_counter()
         x, y, mask = (batch[xk].to(dev, non_blocking=True), batch[yk].to(dev, non_blocking=True),
                       batch["mask"].to(dev, non_blocking=True))
-        out = self.module(x)
-        per_sample = per_sample_loss(cfg, out, y)
+        out = self.task.forward(self.module, x)
+        per_sample = self.task.loss(out, y)
         m = mask.to(per_sample.dtype)
         local_sum = (per_sample * m).sum()
         if inject_nan:
             local_sum = local_sum * float("nan")
         loss = local_sum * scale
+        if self.task.scaler is not None:
+            loss = self.task.scaler.scale_loss(loss)
         t2 = time.perf_counter()
         self.timeline.add("forward", t1, t2)
         loss.backward()
         t3 = time.perf_counter()
         self.timeline.add("backward", t2, t3)
-        correct = float(((out.detach().argmax(1) == y) & mask).sum()) if cfg.loss == "cross_entropy" else 0.0
+        correct = self.task.correct(out, y, mask)
         return BatchStats(loss_sum=float(local_sum.detach()), real=float(m.sum()), correct=correct,
                           forward=t2 - t1, backward=t3 - t2)
 
@@ -152,20 +154,16 @@ class DataParallelStep:
         cfg, dev = self.cfg, self.device
         xk, yk = cfg.data.keys["x"], cfg.data.keys["y"]
         self.module.eval()
-        sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, count
+        acc = self.task.accumulator()
         with torch.no_grad():
             for batch in test_ds:
-                out = self.module(batch[xk].to(dev, non_blocking=True))
+                out = self.task.forward(self.module, batch[xk].to(dev, non_blocking=True))
                 y, mask = batch[yk].to(dev, non_blocking=True), batch["mask"].to(dev, non_blocking=True)
-                per = per_sample_loss(cfg, out, y)
-                sums[0] += float((per.double() * mask.double()).sum())
-                if cfg.loss == "cross_entropy":
-                    sums[1] += float(((out.argmax(1) == y) & mask).sum())
-                sums[2] += float(mask.sum())
+                acc.update(out.float(), y, mask)
         self.module.train()
-        total = comm.allreduce(sums, op="sum")
+        results = self.task.reduce(acc)
         self.timeline.add("eval", t0, time.perf_counter())
-        return eval_result(cfg, total)
+        return results
 
     def save(self, ckpt_dir: Path, step: int, pos: Tuple[int, int], weights: Optional[List[float]]) -> str:
         """Collective: rank 0 writes the checkpoint (every rank's RNG state in it)."""
@@ -176,7 +174,7 @@ class DataParallelStep:
             state = ckpt.build_state(step=step, epoch=pos[0], step_in_epoch=pos[1], model=self.module,
                                      optimizer=self.opt, scheduler={"kind": self.cfg.schedule.kind, "step": step},
                                      rng=rngs, config=self.cfg.to_dict(), run_id=self.run_id,
-                                     extra={"balance_weights": weights, "scheduler_step": step})
+                                     extra={"balance_weights": weights, "scheduler_step": step, **self.task.state()})
             try:
                 saved = ckpt.save(ckpt_dir, state, self.cfg.checkpoint.keep)
                 result = ("ok", str(saved.path))
@@ -184,6 +182,27 @@ class DataParallelStep:
                 result = ("error", str(exc))
         result = comm.broadcast_object(result, root=0)
         self.timeline.add("checkpoint", t0, time.perf_counter())
+        if result[0] == "error":
+            raise ckpt.CheckpointError(result[1])
+        return result[1]
+
+    def save_best(self, ckpt_dir: Path, step: int, pos: Tuple[int, int], weights: Optional[List[float]]) -> str:
+        """Collective: rank 0 writes ``ckpt-best.pt`` atomically (outside the keep-N set)."""
+        path = Path(ckpt_dir) / "ckpt-best.pt"
+        rngs = comm.allgather_object(ckpt.capture_rng())
+        result: Any = None
+        if comm.rank() == 0:
+            state = ckpt.build_state(step=step, epoch=pos[0], step_in_epoch=pos[1], model=self.module,
+                                     optimizer=self.opt, scheduler={"kind": self.cfg.schedule.kind, "step": step},
+                                     rng=rngs, config=self.cfg.to_dict(), run_id=self.run_id,
+                                     extra={"balance_weights": weights, "scheduler_step": step, **self.task.state()})
+            try:
+                Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+                ckpt.atomic_save(state, path)
+                result = ("ok", str(path))
+            except (OSError, ckpt.CheckpointError) as exc:
+                result = ("error", f"cannot write the best checkpoint {path}: {exc}")
+        result = comm.broadcast_object(result, root=0)
         if result[0] == "error":
             raise ckpt.CheckpointError(result[1])
         return result[1]
@@ -250,7 +269,7 @@ class PipelineStep:
     def _targets(self, batch: Dict[str, torch.Tensor]) -> Tuple[Optional[torch.Tensor], pp.Targets]:
         xk, yk = self.cfg.data.keys["x"], self.cfg.data.keys["y"]
         mask = batch["mask"]
-        x = batch[xk] if self.pipe.is_first else None
+        x = self.task.prepare(batch[xk]) if self.pipe.is_first else None
         return x, (pp.Targets(batch[yk], mask) if self.pipe.is_last else pp.Targets(mask, mask))
 
     def forward_backward(self, batch: Dict[str, torch.Tensor], scale: float, inject_nan: bool) -> BatchStats:
@@ -258,16 +277,16 @@ class PipelineStep:
         sums = [0.0, 0.0, 0.0]
 
         def loss_fn(out: torch.Tensor, t: pp.Targets) -> torch.Tensor:
-            per = per_sample_loss(cfg, out, t.y)
+            per = self.task.loss(out, t.y)
             m = t.mask.to(per.dtype)
             local = (per * m).sum()
             if inject_nan:
                 local = local * float("nan")
             sums[0] += float(local.detach())
             sums[1] += float(m.sum())
-            if cfg.loss == "cross_entropy":
-                sums[2] += float(((out.detach().argmax(1) == t.y) & t.mask).sum())
-            return local * scale
+            sums[2] += self.task.correct(out, t.y, t.mask)
+            loss = local * scale
+            return self.task.scaler.scale_loss(loss) if self.task.scaler is not None else loss
 
         t1 = time.perf_counter()
         x, targets = self._targets(batch)
@@ -283,31 +302,27 @@ class PipelineStep:
         t0 = time.perf_counter()
         cfg, pipe = self.cfg, self.pipe
         pipe.eval()
-        sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, count
+        acc = self.task.accumulator()
 
         def loss_fn(out: torch.Tensor, t: pp.Targets) -> torch.Tensor:
-            per = per_sample_loss(cfg, out, t.y)
-            m = t.mask.to(per.dtype)
-            sums[0] += float((per.double() * m.double()).sum())
-            if cfg.loss == "cross_entropy":
-                sums[1] += float(((out.argmax(1) == t.y) & t.mask).sum())
-            sums[2] += float(m.sum())
-            return per.sum()
+            acc.update(out.float(), t.y, t.mask)
+            return self.task.loss(out, t.y).sum()
 
         for batch in test_ds:
             x, targets = self._targets(batch)
             pipe.evaluate(x, targets, loss_fn, rows_weighted=False,
                           micro_batches=max(1, min(pipe.micro_batches, len(batch["mask"]))))
         pipe.train()
-        total = comm.allreduce(sums, op="sum")
+        results = self.task.reduce(acc)
         self.timeline.add("eval", t0, time.perf_counter())
-        return eval_result(cfg, total)
+        return results
 
     def save(self, ckpt_dir: Path, step: int, pos: Tuple[int, int], weights: Optional[List[float]]) -> str:
         """Collective: one file per stage and ``meta.pt`` (data shares are not re-weighted here)."""
         t0 = time.perf_counter()
         meta = pp.build_meta(step=step, epoch=pos[0], step_in_epoch=pos[1], pipe=self.pipe,
-                             config=self.cfg.to_dict(), run_id=self.run_id, extra={"balance_weights": None, "scheduler_step": step})
+                             config=self.cfg.to_dict(), run_id=self.run_id,
+                             extra={"balance_weights": None, "scheduler_step": step, **self.task.state()})
         path = pp.save(ckpt_dir, self.pipe, self.opt, meta, self.cfg.checkpoint.keep)
         self.timeline.add("checkpoint", t0, time.perf_counter())
         return path
