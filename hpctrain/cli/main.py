@@ -64,11 +64,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     from hpctrain.comm.abort import run_or_abort
+    from hpctrain.comm.errors import WorldSizeError
     from hpctrain.malloc_tuning import tune_this_process
 
     tune_this_process()
 
-    return run_or_abort(args.func, args)
+    try:
+        return run_or_abort(args.func, args)
+    except WorldSizeError as exc:
+        # Raised in comm.init() before any rank could talk to another: every process
+        # prints it (each is a world of its own), as one error, not a traceback.
+        print(f"hpctrain {args.verb}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import hpctrain
 from hpctrain import comm
 from hpctrain.train import checkpoint as ckpt
+from hpctrain.train import checks
 from hpctrain.train import pipeline as pp
 from hpctrain.train.config import ConfigError, TrainConfig
 from hpctrain.train.metrics import (RANK_FIELDS, MetricsWriter, StragglerDetector, rebalance_weights, rss_mb,
@@ -253,13 +254,16 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
         random.seed(cfg.seed)
-        model = import_factory(cfg.model.factory)(**cfg.model.kwargs)
+        factory = import_factory(cfg.model.factory)
+        model = checks.build_model(factory, cfg.model.factory, cfg.model.kwargs)
         if pc.enabled:
             # Pure checks (identical on every rank) before the first message.
             pp.check_model(pc, model, world, cfg.model.factory)
         elif not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model.factory {cfg.model.factory!r} returned {type(model).__name__}, "
                               "expected a torch.nn.Module")
+        else:
+            checks.check_data_fits_model(cfg, model, factory, rank, world, comm.allgather_object)
         hvd.broadcast_parameters((model if isinstance(model, torch.nn.Module)
                                   else torch.nn.ModuleList(model)).state_dict(), root_rank=0)
         device = resolve_device(cfg.device)
@@ -332,7 +336,7 @@ class Trainer:
             if pipe is not None:
                 pp.load(resumed_from, pipe, opt)
             else:
-                model.load_state_dict(state["model"])
+                checks.load_model_state(model, state["model"], resumed_from, state.get("config", {}).get("model"))
                 opt.load_state_dict(state["optimizer"])
             step, epoch, skip = int(state["step"]), int(state["epoch"]), int(state["step_in_epoch"])
             extra = state.get("extra", {})
