@@ -47,10 +47,11 @@ def merge(parts: Iterable[LabelSummary]) -> LabelSummary:
 
 def summarize_array(values: np.ndarray, path: str = "?", first_row: int = 0) -> LabelSummary:
     """Summary of one in-memory block of labels (rows from ``first_row`` of ``path``)."""
-    flat = np.asarray(values).reshape(len(values), -1) if np.ndim(values) else np.asarray(values).reshape(1, 1)
-    if flat.size == 0:
-        return LabelSummary(is_float=flat.dtype.kind in "fc")
-    is_float = flat.dtype.kind in "fc"
+    values = np.asarray(values)
+    is_float = values.dtype.kind in "fc"
+    if values.size == 0:
+        return LabelSummary(is_float=is_float)
+    flat = values.reshape(values.shape[0] if values.ndim else 1, -1)
     fractional, example = 0, None
     if is_float:
         bad = ~np.isfinite(flat) | (flat != np.round(flat))

@@ -39,6 +39,17 @@ def signature_text(fn: Callable[..., Any]) -> str:
     return ", ".join(shown)
 
 
+def callable_hint(module: Any, name: str) -> str:
+    """``"\nHINT: …"`` for a factory name missing from ``module``: the close matches among
+    its public callables, else a few of them."""
+    found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                   and getattr(v, "__module__", None) == module.__name__)  # defined there, not imported
+    close = difflib.get_close_matches(name, found, n=3)
+    if close:
+        return f"\nHINT: did you mean {', '.join(repr(c) for c in close)}?"
+    return f"\nHINT: its callables: {_few(found, 8) or '(none)'}"
+
+
 def kwargs_error(fn: Callable[..., Any], spec: str, kwargs: Mapping[str, Any]) -> Optional[str]:
     """Why ``fn(**kwargs)`` cannot bind (unknown or missing parameters), or None."""
     try:

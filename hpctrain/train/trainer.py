@@ -95,7 +95,7 @@ def import_factory(spec: str) -> Callable[..., Any]:
                           "like 'examples/models.py:cnn'") from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ConfigError(f"model.factory: {mod_name!r} has no callable {fn_name!r}")
+        raise ConfigError(f"model.factory: {mod_name!r} has no callable {fn_name!r}" + checks.callable_hint(module, fn_name))
     return fn
 
 

@@ -28,6 +28,13 @@ def test_unknown_kwarg_names_factory_kwarg_and_parameters():
         checks.build_model(factory, "m.py:factory", {"widht": 3})
 
 
+def test_misspelled_factory_name_suggests_the_close_ones():
+    from hpctrain.train import models
+
+    assert checks.callable_hint(models, "mpl") == "\nHINT: did you mean 'mlp'?"
+    assert checks.callable_hint(models, "zzzz").startswith("\nHINT: its callables: ")
+
+
 def test_missing_required_kwarg_and_kwargs_catch_all():
     assert "missing a required argument: 'width'" in checks.kwargs_error(factory, "f", {"depth": 3})
     assert checks.kwargs_error(factory, "f", {"width": 3, "act": "tanh"}) is None
@@ -70,6 +77,8 @@ def test_labels_out_of_range_negative_fractional_and_ok():
     assert "1 value(s) that are not class indices, e.g. 2.5 at row 1 of c.h5" in frac and "truncate" in frac
     assert checks.label_error(summarize_array(np.array([0.0, 9.0]), "d.h5"), 10, "y") is None
     assert checks.label_error(summarize_array(np.array([0, 9]), "d.h5"), 10, "y") is None
+    assert summarize_array(np.zeros((0,), np.int64)).count == 0
+    assert summarize_array(np.array(4)).high == 4
     nan = summarize_array(np.array([np.nan, 1.0]), "e.h5")
     assert nan.fractional == 1 and nan.low == nan.high == 1.0
 
