@@ -4,6 +4,12 @@ A convenience for workstations: it finds ``mpiexec`` (``$HPCTRAIN_MPIEXEC``, the
 this Python, or PATH), adds the flags Open MPI needs to run more ranks than cores
 (``--oversubscribe --bind-to none``), and allows running as root. On a cluster use
 ``srun --mpi=pmix`` or your site's ``mpirun`` directly.
+
+SIGTERM or SIGUSR1 to ``hpctrain launch`` goes to the ranks it started on this machine
+(not to mpiexec, which would end the job its own way: Open MPI's ``mpiexec`` answers a
+SIGTERM by killing the ranks and exiting 1, their output lost). A training run then stops at
+the next step on every rank, writes its checkpoint, prints where it stopped, and the launch
+exits 128 + the signal number, as a run signalled directly does.
 """
 from __future__ import annotations
 
@@ -11,10 +17,11 @@ import argparse
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Mapping, Tuple
 
 
 def flags_for_mpi_version(version_text: str) -> List[str]:
@@ -32,6 +39,41 @@ def launcher_flags(mpiexec: str) -> List[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return flags_for_mpi_version(out.stdout + out.stderr)
+
+
+# Processes of MPI launchers and their per-node daemons: never sent a forwarded signal.
+LAUNCHER_NAMES = ("mpiexec", "mpirun", "orterun", "prterun", "prte", "prted", "orted", "hydra_pmi_proxy",
+                  "mpiexec.hydra", "srun")
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)  # the stop signals of hpctrain.slurm.preempt
+
+
+def is_launcher(name: str) -> bool:
+    return name in LAUNCHER_NAMES or name.startswith(("mpiexec", "mpirun"))
+
+
+def rank_processes(tree: Mapping[int, Tuple[int, str]], root: int) -> List[int]:
+    """The ranks among ``root``'s descendants (``tree``: pid -> (parent pid, name)): the
+    processes that are not launchers themselves and whose parent is ``root`` or one of its
+    launcher daemons (a rank's own children, e.g. data workers, are left to the rank)."""
+    launchers = {root} | {pid for pid, (_, name) in tree.items() if is_launcher(name)}
+    return sorted(pid for pid, (parent, name) in tree.items() if parent in launchers and not is_launcher(name))
+
+
+def process_tree(root: int) -> Dict[int, Tuple[int, str]]:
+    """pid -> (parent pid, name) of every live descendant of ``root``."""
+    import psutil
+
+    tree: Dict[int, Tuple[int, str]] = {}
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return tree
+    for child in children:
+        try:
+            tree[child.pid] = (child.ppid(), child.name())
+        except psutil.Error:
+            continue
+    return tree
 
 
 def find_mpiexec() -> str:
@@ -79,4 +121,33 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     argv = [exe, "-n", str(args.np), *launcher_flags(exe), *command]
-    return subprocess.call(argv, env=env)
+    return run_forwarding_signals(argv, env)
+
+
+def run_forwarding_signals(argv: List[str], env: Mapping[str, str]) -> int:
+    """Run ``argv`` (an mpiexec command); a stop signal to this process goes to the ranks
+    (mpiexec itself when none is found yet). Exit status: mpiexec's, or 128 + the signal
+    when one was forwarded and the job ended non-zero."""
+    proc = subprocess.Popen(argv, env=dict(env))
+    caught: List[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        caught.append(signum)
+        ranks = rank_processes(process_tree(proc.pid), proc.pid)
+        for pid in ranks:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if not ranks:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught and rc != 0:
+        return 128 + caught[0]
+    return rc

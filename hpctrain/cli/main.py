@@ -63,13 +63,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 2
     from hpctrain.comm.abort import run_or_abort
+    from hpctrain.comm.errors import WorldSizeError
     from hpctrain.extras import MissingExtraError
     from hpctrain.malloc_tuning import tune_this_process
 
     tune_this_process()
     try:
         return run_or_abort(args.func, args)
-    except MissingExtraError as exc:
+    except (MissingExtraError, WorldSizeError) as exc:
+        # A missing extra, or a world-size error raised in comm.init() before any rank could
+        # talk to another (every process prints it: each is a world of its own): one error
+        # line, not a traceback.
         print(f"hpctrain {args.verb}: {exc}", file=sys.stderr)
         return 2
 

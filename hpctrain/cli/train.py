@@ -124,13 +124,7 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         from hpctrain.train.callbacks import load_callbacks
 
         load_callbacks(cfg.callbacks)
-        if cfg.parallel and int(cfg.parallel.get("pipeline_stages", 1)) > 1:
-            # a pipeline needs a model it can split: build it once (no communication) and check
-            from hpctrain.train.pipeline import check_model, parallel_config
-            from hpctrain.train.trainer import import_factory
-
-            check_model(parallel_config(cfg), import_factory(cfg.model.factory)(**cfg.model.kwargs), world,
-                        cfg.model.factory)
+        _check_model_and_deps(cfg, world)
     except (ConfigError, DataError) as exc:
         if rank == 0:
             print(f"hpctrain train --dry-run: {exc}", file=sys.stderr)
@@ -151,3 +145,25 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         print(f"run directory: {cfg.run_dir}   checkpoints: {cfg.checkpoint_dir} (keep {cfg.checkpoint.keep}, {every})")
         print("dry run: nothing trained")
     return 0
+
+
+def _check_model_and_deps(cfg, world: int) -> None:
+    """What a run would meet before its first step: the factory imports and accepts its
+    kwargs, the model takes the data (and its labels), and every optional package the
+    config needs imports. Builds the model once; no communication."""
+    from hpctrain.train import checks
+    from hpctrain.train.trainer import import_factory
+
+    from hpctrain.train.build import infer_model_kwargs, import_user_functions
+
+    import_user_functions(cfg)
+    factory = import_factory(cfg.model.factory)
+    model = checks.build_model(factory, cfg.model.factory, infer_model_kwargs(cfg))
+    if cfg.parallel and int(cfg.parallel.get("pipeline_stages", 1)) > 1:
+        # a pipeline needs a model it can split
+        from hpctrain.train.pipeline import check_model, parallel_config
+
+        check_model(parallel_config(cfg), model, world, cfg.model.factory)
+    else:
+        checks.check_data_fits_model(cfg, model, factory)
+    checks.check_optional_packages(cfg)

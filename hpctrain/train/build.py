@@ -56,7 +56,9 @@ def import_factory(spec: str, what: str = "model.factory") -> Callable[..., Any]
                           "like 'examples/models.py:cnn'") from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ConfigError(f"{what}: {mod_name!r} has no callable {fn_name!r}")
+        from hpctrain.train.checks import callable_hint
+
+        raise ConfigError(f"{what}: {mod_name!r} has no callable {fn_name!r}" + callable_hint(module, fn_name))
     return fn
 
 
@@ -98,7 +100,7 @@ def infer_model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
     if wanted is None:
         return kwargs
     from hpctrain.data.h5files import describe, expand_paths
-    from hpctrain.data.labels import label_range
+    from hpctrain.data.labels import label_summary
     from hpctrain.train.losses import parse_loss
 
     features, classes = wanted
@@ -108,10 +110,24 @@ def infer_model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
         kwargs[features] = int(np.prod(shape, dtype=np.int64))
     spec = parse_loss(cfg.loss)
     if classes not in kwargs and spec.classification is not False:
-        labels = label_range(cfg.data.train, cfg.data.keys["y"])
-        if labels.whole and labels.low >= 0:
+        labels = label_summary(expand_paths(list(cfg.data.train)), cfg.data.keys["y"])
+        if labels.count and not labels.fractional and labels.low is not None and labels.low >= 0:
             kwargs[classes] = int(labels.high) + 1
     return kwargs
+
+
+def import_user_functions(cfg: TrainConfig) -> None:
+    """Import every user file a config names besides the model (loss, metrics), so that a
+    dry run fails where the run would."""
+    from hpctrain.train.losses import parse_loss
+    from hpctrain.train.scoring import parse_metrics
+
+    spec = parse_loss(cfg.loss)
+    if spec.function:
+        import_factory(spec.function, "loss")
+    for m in parse_metrics(cfg.eval.metrics, None):
+        if m.kind == "user":
+            import_factory(m.function, "eval.metrics")
 
 
 def resolve_batch_size(cfg: TrainConfig, max_batch: int) -> int:
@@ -277,13 +293,19 @@ def build_model(cfg: TrainConfig, plan: TrainPlan, world: int) -> Tuple[Any, tor
 
     pc = pp.parallel_config(cfg)
     seed_shared(cfg.seed)
-    model = import_factory(cfg.model.factory)(**infer_model_kwargs(cfg))
+    from hpctrain.train import checks
+
+    factory = import_factory(cfg.model.factory)
+    model = checks.build_model(factory, cfg.model.factory, infer_model_kwargs(cfg))
     if pc.enabled:
         # Pure checks (identical on every rank) before the first message.
         pp.check_model(pc, model, world, cfg.model.factory)
     elif not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model.factory {cfg.model.factory!r} returned {type(model).__name__}, "
                           "expected a torch.nn.Module")
+    else:
+        # collective: every rank reads its part of the labels; all raise the same error or none
+        checks.check_data_fits_model(cfg, model, factory, comm.rank(), world, comm.allgather_object)
     hvd.broadcast_parameters((model if isinstance(model, torch.nn.Module)
                               else torch.nn.ModuleList(model)).state_dict(), root_rank=0)
     return model, resolve_device(cfg.device)

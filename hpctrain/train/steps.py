@@ -208,7 +208,9 @@ class DataParallelStep:
         return result[1]
 
     def restore(self, state: Dict[str, Any], path: Path) -> None:
-        self.module.load_state_dict(state["model"])
+        from hpctrain.train import checks
+
+        checks.load_model_state(self.module, state["model"], path, state.get("config", {}).get("model"))
         self.opt.load_state_dict(state["optimizer"])
 
 

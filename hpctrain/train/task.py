@@ -75,8 +75,7 @@ class Task:
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Per-sample loss in fp32 (outside autocast, as torch.amp recommends for losses)."""
-        if self.classification:
-            check_labels(y, out.shape[1] if out.dim() > 1 else 1)
+        # labels were checked against the model once before the first step (train.checks)
         return self.loss_fn(out.float(), y)
 
     def correct(self, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
@@ -97,21 +96,6 @@ class Task:
         res.setdefault("test_loss", None)
         res.setdefault("test_accuracy", None)
         return res
-
-
-def check_labels(y: torch.Tensor, classes: int) -> None:
-    """Class labels must be whole numbers inside the model's classes (else cross-entropy
-    raises an IndexError deep in torch, or silently truncates float labels)."""
-    if y.numel() == 0:
-        return
-    if y.is_floating_point() and not bool((y == y.round()).all()):
-        raise ConfigError("the labels are not whole numbers but the loss is a classification loss\n"
-                          "HINT: store integer class labels (data.dtypes: {y: int64}), or use a regression "
-                          "loss such as mse or huber")
-    low, high = int(y.min()), int(y.max())
-    if low < 0 or high >= classes:
-        raise ConfigError(f"labels {low}..{high} are outside the model's {classes} classes 0..{classes - 1}\n"
-                          f"HINT: set the model's num_classes to at least {high + 1}, or fix the labels")
 
 
 def label_kind(cfg: TrainConfig) -> bool:
