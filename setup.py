@@ -43,15 +43,15 @@ setup(
     # without a C compiler hpctrain.comm falls back to MPI barriers and native collectives.
     ext_modules=[
         Extension("hpctrain.comm._shmsync", ["hpctrain/comm/_shmsync.c"], depends=["hpctrain/comm/_kernels.h"],
-                  extra_compile_args=["-O3", "-std=c11"], optional=True),
+                  extra_compile_args=["-O3", "-std=c11", "-fwrapv"], optional=True),
         # The ring all-reduce in C over the MPI library mpi4py loaded (no MPI headers needed:
         # hpctrain.comm.mpiring hands it the MPI functions). Optional: else the Python ring.
         Extension("hpctrain.comm._mpiring", ["hpctrain/comm/_mpiring.c"], depends=["hpctrain/comm/_kernels.h"],
-                  extra_compile_args=["-O3", "-std=c11"], optional=True),
+                  extra_compile_args=["-O3", "-std=c11", "-fwrapv"], optional=True),
         # HDF5 chunk decoders (LZF, unshuffle) that run without the GIL, so that the loader can
         # decompress several chunks at once. Optional: without it h5py decompresses (serially).
         Extension("hpctrain.data._codecs", ["hpctrain/data/_codecs.c"],
-                  extra_compile_args=["-O3", "-std=c11"], optional=True),
+                  extra_compile_args=["-O3", "-std=c11", "-fwrapv"], optional=True),
     ],
     entry_points={"console_scripts": ["hpctrain=hpctrain.cli.main:main"]},
     classifiers=[
