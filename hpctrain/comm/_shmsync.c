@@ -236,7 +236,8 @@ static int bufs_acquire(Bufs *b, PyObject *obj, int writable, Py_ssize_t need, c
         b->n = (int)i + 1;
         b->at[i] = (char *)b->views[i].buf;
         if (b->views[i].len < need) {
-            PyErr_Format(PyExc_ValueError, "%s: buffer %zd holds %zd bytes, %zd needed", what, i, b->views[i].len, need);
+            PyErr_Format(PyExc_ValueError, "%s: buffer %zd holds %zd bytes, %zd needed", what, i,
+                         b->views[i].len, need);
             Py_DECREF(seq); bufs_release(b); return -1;
         }
     }

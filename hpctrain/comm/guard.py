@@ -4,8 +4,10 @@ Every rank sends a small header (sequence number, operation, reduction op, dtype
 count with a code of the shape folded in, algorithm) to group rank 0, which compares them
 and answers every rank with one verdict. A mismatch becomes a CollectiveMismatchError on
 every rank, naming the ranks and what each called (with every rank's shape when the shapes
-differ: gathered only then, so a call that agrees costs no more bytes). Because rank 0 knows whose header has not arrived, the stall
-watchdog can name the ranks that never entered the collective.
+differ: gathered only then, so a call that agrees costs no more bytes). Because rank 0
+knows whose header has not arrived, the stall watchdog can name the ranks that never
+entered the collective. On one node with shared-memory flags the same check is one flag
+exchange (``shmsync.NodeFlags.agree``).
 
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
 watchdog still catches stalls then, but cannot name the missing ranks as precisely.

@@ -12,7 +12,9 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from . import launcher
+from .asyncq import drain
 from .errors import CommError, NotInitializedError
+from .guard import agree, make_header
 from .plan import Topology, topology_from_keys
 from .watchdog import Watchdog, stall_timeout
 
@@ -155,8 +157,6 @@ def shutdown() -> None:
     mpi4py at exit (so that mpi4py users can keep using MPI after hpctrain is done)."""
     if _state["world"] is None:
         return
-    from .asyncq import drain
-
     drain()
     if _state["watchdog"] is not None:
         _state["watchdog"].stop()
@@ -313,9 +313,7 @@ def rendezvous_store(host: Optional[str] = None, timeout_s: float = 300.0, group
     from torch.distributed import TCPStore
 
     g = resolve(group)
-    from .asyncq import drain
-
-    drain()
+    drain()  # queued async collectives first: the same order on every rank
     timeout = datetime.timedelta(seconds=timeout_s)
     store, address, error = None, None, None
     if g.rank == 0:
@@ -326,8 +324,6 @@ def rendezvous_store(host: Optional[str] = None, timeout_s: float = 300.0, group
             address = (host, store.port)
         except (RuntimeError, OSError) as exc:
             error = f"rank 0 could not start the rendezvous store for torch.distributed: {exc}"
-    from .guard import agree, make_header
-
     dog = watchdog()
     agree(g, make_header(0, "broadcast_object", extra=1), dog)
     with dog.watch(f"rendezvous address from rank 0 of {g.name}", lambda: g.describe_ranks([0])):
