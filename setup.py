@@ -1,7 +1,8 @@
 """The package layout and the C extensions of hpctrain (the metadata is in pyproject.toml)."""
 from setuptools import Extension, find_packages, setup
 
-C11 = ["-O3", "-std=c11"]
+# -fwrapv: signed overflow wraps (defined behaviour) in every kernel
+C11 = ["-O3", "-std=c11", "-fwrapv"]
 
 setup(
     # The sbatch templates are the top-level slurm/ folder (where people look for them),

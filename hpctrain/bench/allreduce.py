@@ -154,8 +154,7 @@ def _gloo_runner():
     if not dist.is_available():
         return None
     if not dist.is_initialized():
-        host, port = comm.rendezvous_address()
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank(), world_size=comm.size())
+        dist.init_process_group("gloo", store=comm.rendezvous_store(), rank=comm.rank(), world_size=comm.size())
     return lambda buf: (lambda t=torch.from_numpy(buf): dist.all_reduce(t))
 
 

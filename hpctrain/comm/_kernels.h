@@ -11,6 +11,12 @@ enum { DT_BOOL = 0, DT_I8, DT_U8, DT_I16, DT_U16, DT_I32, DT_U32, DT_I64, DT_U64
        DT_F16, DT_BF16, DT_F32, DT_F64 };
 enum { OP_SUM = 0, OP_AVG, OP_MIN, OP_MAX, OP_PROD };
 
+/* min and max as numpy's minimum and maximum: a NaN in either operand gives NaN, whatever
+ * the operand order (every path of an all-reduce must agree, whichever algorithm ran).
+ * For integers `b != b` is false and the compiler drops it. */
+#define KERNEL_MIN(a, b) (((b) < (a) || (b) != (b)) ? (b) : (a))
+#define KERNEL_MAX(a, b) (((b) > (a) || (b) != (b)) ? (b) : (a))
+
 /* Bytes per item of a dtype with kernels; 0 for the others. */
 static inline int itemsize_of(int dtype) {
     switch (dtype) {

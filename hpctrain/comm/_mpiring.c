@@ -7,12 +7,14 @@
  * Each chunk is reduced by its owner only, in the same order everywhere, then copied to
  * all: the result is bitwise identical on every rank.
  *
- * No MPI header is needed to build it: hpctrain.comm looks up MPI_Isend, MPI_Irecv and
- * MPI_Wait in the MPI library mpi4py loaded and hands their addresses to bind(), and passes
+ * No MPI header is needed to build it: hpctrain.comm looks up MPI_Isend, MPI_Irecv,
+ * MPI_Wait and MPI_Cancel in the MPI library mpi4py loaded and hands their addresses to bind(), and passes
  * the communicator and MPI_BYTE as mpi4py's integer handles. Handles travel as uintptr_t:
  * a pointer for Open MPI, an int for MPICH and its derivatives (passed in a register, the
  * callee reads its low half). A request is kept in 8 zeroed bytes and waited on one by one
- * (an int or a pointer fits; no array stride to know), with room for any MPI_Status.
+ * (an int or a pointer fits; no array stride to know), with room for any MPI_Status; a slot
+ * is zero exactly when it holds no posted request, so that after an MPI error the requests
+ * still posted can be cancelled and completed before the buffers go back to Python.
  * The GIL is released for the whole ring, so the stall watchdog's thread keeps running.
  */
 #define PY_SSIZE_T_CLEAN
@@ -25,10 +27,12 @@
 typedef int (*isend_fn)(const void *, int, uintptr_t, int, int, uintptr_t, void *);
 typedef int (*irecv_fn)(void *, int, uintptr_t, int, int, uintptr_t, void *);
 typedef int (*wait_fn)(void *, void *);
+typedef int (*cancel_fn)(void *);
 
 static isend_fn mpi_isend;
 static irecv_fn mpi_irecv;
 static wait_fn mpi_wait;
+static cancel_fn mpi_cancel;
 
 typedef struct { uint64_t slot; } Req;           /* one MPI_Request, whatever its size */
 typedef struct { uint64_t words[16]; } Status;   /* larger than any MPI_Status */
@@ -51,8 +55,8 @@ typedef struct { uint64_t words[16]; } Status;   /* larger than any MPI_Status *
         switch (op) {                                                          \
         case OP_SUM: case OP_AVG: COMBINE_LOOP(T, a + b); break;               \
         case OP_PROD: COMBINE_LOOP(T, a * b); break;                           \
-        case OP_MIN: COMBINE_LOOP(T, b < a ? b : a); break;                    \
-        case OP_MAX: COMBINE_LOOP(T, b > a ? b : a); break;                    \
+        case OP_MIN: COMBINE_LOOP(T, KERNEL_MIN(a, b)); break;                    \
+        case OP_MAX: COMBINE_LOOP(T, KERNEL_MAX(a, b)); break;                    \
         }                                                                      \
     } while (0)
 
@@ -91,21 +95,41 @@ static inline int mod(int x, int m) { return ((x % m) + m) % m; }
 
 static int isend(const Ring *r, Py_ssize_t a, Py_ssize_t b, int tag, Req *q) {
     q->slot = 0;
-    return mpi_isend(r->buf + a * r->item, (int)((b - a) * r->item), r->byte, r->right, tag, r->comm, q);
+    int err = mpi_isend(r->buf + a * r->item, (int)((b - a) * r->item), r->byte, r->right, tag, r->comm, q);
+    if (err) q->slot = 0;  /* nothing was posted */
+    return err;
 }
 
 static int irecv(const Ring *r, char *into, Py_ssize_t a, Py_ssize_t b, int tag, Req *q) {
     q->slot = 0;
-    return mpi_irecv(into, (int)((b - a) * r->item), r->byte, r->left, tag, r->comm, q);
+    int err = mpi_irecv(into, (int)((b - a) * r->item), r->byte, r->left, tag, r->comm, q);
+    if (err) q->slot = 0;
+    return err;
 }
 
+/* Wait for q[0..count); each slot is zeroed once its request is complete (a failed wait
+ * also ends the request: it is not waited on again). */
 static int wait_all(Req *q, Py_ssize_t count) {
     Status st;
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (!q[i].slot) continue;
         int err = mpi_wait(&q[i], &st);
+        q[i].slot = 0;
         if (err) return err;
     }
     return 0;
+}
+
+/* After an error: cancel every request still posted and wait for it, so that no receive
+ * lands in (and no send reads) a buffer the caller frees or reuses. */
+static void cancel_all(Req *q, Py_ssize_t count) {
+    Status st;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!q[i].slot) continue;
+        mpi_cancel(&q[i]);
+        mpi_wait(&q[i], &st);
+        q[i].slot = 0;
+    }
 }
 
 #define CHECK(call) do { int err_ = (call); if (err_) return err_; } while (0)
@@ -198,7 +222,7 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
         return NULL;
     PyObject *result = NULL;
     int item = itemsize_of(dtype);
-    if (!mpi_isend || !mpi_irecv || !mpi_wait) {
+    if (!mpi_isend || !mpi_irecv || !mpi_wait || !mpi_cancel) {
         PyErr_SetString(PyExc_RuntimeError, "_mpiring.allreduce: call bind() with the MPI functions first");
     } else if (!item || op < OP_SUM || op > OP_PROD) {
         PyErr_Format(PyExc_ValueError, "_mpiring.allreduce: unsupported dtype %d / op %d", dtype, op);
@@ -232,6 +256,7 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
                 int err;
                 Py_BEGIN_ALLOW_THREADS
                 err = ring(&r, reqs, max_segs);
+                if (err) cancel_all(reqs, 3 * max_segs + r.slots);
                 Py_END_ALLOW_THREADS
                 PyMem_RawFree(reqs);
                 result = PyLong_FromLong(err);
@@ -243,22 +268,23 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
-/* bind(isend_address, irecv_address, wait_address): the MPI library's functions. */
+/* bind(isend_address, irecv_address, wait_address, cancel_address): the MPI library's functions. */
 static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
-    unsigned long long s, r, w;
-    if (!PyArg_ParseTuple(args, "KKK", &s, &r, &w)) return NULL;
-    if (!s || !r || !w) {
+    unsigned long long s, r, w, c;
+    if (!PyArg_ParseTuple(args, "KKKK", &s, &r, &w, &c)) return NULL;
+    if (!s || !r || !w || !c) {
         PyErr_SetString(PyExc_ValueError, "_mpiring.bind: null function address");
         return NULL;
     }
     mpi_isend = (isend_fn)(uintptr_t)s;
     mpi_irecv = (irecv_fn)(uintptr_t)r;
     mpi_wait = (wait_fn)(uintptr_t)w;
+    mpi_cancel = (cancel_fn)(uintptr_t)c;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
-    {"bind", bind, METH_VARARGS, "bind(isend_address, irecv_address, wait_address)"},
+    {"bind", bind, METH_VARARGS, "bind(isend_address, irecv_address, wait_address, cancel_address)"},
     {"allreduce", allreduce, METH_VARARGS,
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
     {NULL, NULL, 0, NULL},

@@ -41,7 +41,8 @@ enum { ST_OK = 0, ST_TIMEOUT = 1, ST_MISMATCH = 2 };
 
 typedef struct {
     PyObject_HEAD
-    char **regions;     /* base address of every local rank's region */
+    char **regions;     /* base address of every local rank's region; NULL until __init__ */
+    Py_buffer *views;   /* the regions' buffers, held while the context uses them */
     int nranks;
     int rank;
     Py_ssize_t slot_bytes;
@@ -119,8 +120,8 @@ static int wait_all(Ctx *c, uint64_t seq, double timeout) {
         switch (op) {                                                          \
         case OP_SUM: case OP_AVG: REDUCE_LOOP(T, a + b); break;                \
         case OP_PROD: REDUCE_LOOP(T, a * b); break;                            \
-        case OP_MIN: REDUCE_LOOP(T, b < a ? b : a); break;                     \
-        case OP_MAX: REDUCE_LOOP(T, b > a ? b : a); break;                     \
+        case OP_MIN: REDUCE_LOOP(T, KERNEL_MIN(a, b)); break;                     \
+        case OP_MAX: REDUCE_LOOP(T, KERNEL_MAX(a, b)); break;                     \
         default: return -1;                                                    \
         }                                                                      \
         if (op == OP_AVG) {                                                    \
@@ -186,8 +187,8 @@ static void store_block(char *dst, const char *src, size_t bytes, int nontempora
         switch (op) {                                                                  \
         case OP_SUM: case OP_AVG: SLICE_LOOP(T, a + b); break;                         \
         case OP_PROD: SLICE_LOOP(T, a * b); break;                                     \
-        case OP_MIN: SLICE_LOOP(T, b < a ? b : a); break;                              \
-        case OP_MAX: SLICE_LOOP(T, b > a ? b : a); break;                              \
+        case OP_MIN: SLICE_LOOP(T, KERNEL_MIN(a, b)); break;                              \
+        case OP_MAX: SLICE_LOOP(T, KERNEL_MAX(a, b)); break;                              \
         }                                                                              \
     } while (0)
 
@@ -199,20 +200,53 @@ static void reduce_slices(char **dsts, int ndst, char **srcs, int nsrc, Py_ssize
 #endif
 }
 
-static int addresses(PyObject *obj, char ***out, int *n) {
-    PyObject *seq = PySequence_Fast(obj, "expected a sequence of addresses");
+/* A sequence of buffers, each C-contiguous (writable when asked) and at least `need` bytes
+ * long; their addresses in `*out`. 0, or -1 with an exception set (nothing held). */
+typedef struct {
+    Py_buffer *views;
+    char **at;
+    int n;
+} Bufs;
+
+static void bufs_release(Bufs *b) {
+    for (int i = 0; i < b->n; i++) PyBuffer_Release(&b->views[i]);
+    PyMem_Free(b->views);
+    PyMem_Free(b->at);
+    b->views = NULL; b->at = NULL; b->n = 0;
+}
+
+static int bufs_acquire(Bufs *b, PyObject *obj, int writable, Py_ssize_t need, const char *what) {
+    b->views = NULL; b->at = NULL; b->n = 0;
+    PyObject *seq = PySequence_Fast(obj, "expected a sequence of buffers");
     if (!seq) return -1;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-    char **addr = PyMem_Calloc(len ? len : 1, sizeof(char *));
-    if (!addr) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    if (len > 1 << 20) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%s: %zd buffers", what, len);
+        return -1;
+    }
+    b->views = PyMem_Calloc(len ? len : 1, sizeof(Py_buffer));
+    b->at = PyMem_Calloc(len ? len : 1, sizeof(char *));
+    if (!b->views || !b->at) { Py_DECREF(seq); bufs_release(b); PyErr_NoMemory(); return -1; }
     for (Py_ssize_t i = 0; i < len; i++) {
-        addr[i] = (char *)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
-        if (PyErr_Occurred()) { PyMem_Free(addr); Py_DECREF(seq); return -1; }
+        int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &b->views[i], flags) < 0) {
+            Py_DECREF(seq); bufs_release(b); return -1;
+        }
+        b->n = (int)i + 1;
+        b->at[i] = (char *)b->views[i].buf;
+        if (b->views[i].len < need) {
+            PyErr_Format(PyExc_ValueError, "%s: buffer %zd holds %zd bytes, %zd needed", what, i,
+                         b->views[i].len, need);
+            Py_DECREF(seq); bufs_release(b); return -1;
+        }
     }
     Py_DECREF(seq);
-    *out = addr;
-    *n = (int)len;
     return 0;
+}
+
+static int overlap(const char *a, const char *b, Py_ssize_t len) {
+    return a < b + len && b < a + len;
 }
 
 static PyObject *reduce_to_all(PyObject *Py_UNUSED(module), PyObject *args) {
@@ -222,31 +256,59 @@ static PyObject *reduce_to_all(PyObject *Py_UNUSED(module), PyObject *args) {
     long divisor;
     if (!PyArg_ParseTuple(args, "OOniilp", &dst_obj, &src_obj, &count, &dtype, &op, &divisor, &nontemporal))
         return NULL;
-    if (itemsize_of(dtype) == 0 || op < OP_SUM || op > OP_PROD || count < 0) {
+    int item = itemsize_of(dtype);
+    if (item == 0 || op < OP_SUM || op > OP_PROD || count < 0 || count > PY_SSIZE_T_MAX / 8) {
         PyErr_Format(PyExc_ValueError, "reduce_to_all: unsupported dtype %d / op %d / count %zd", dtype, op, count);
         return NULL;
     }
-    char **dsts, **srcs;
-    int ndst, nsrc;
-    if (addresses(dst_obj, &dsts, &ndst) < 0) return NULL;
-    if (addresses(src_obj, &srcs, &nsrc) < 0) { PyMem_Free(dsts); return NULL; }
-    if (nsrc < 1) {
-        PyMem_Free(dsts); PyMem_Free(srcs);
-        PyErr_SetString(PyExc_ValueError, "reduce_to_all: need at least one source");
+    Py_ssize_t bytes = count * item;
+    Bufs dsts, srcs;
+    if (bufs_acquire(&dsts, dst_obj, 1, bytes, "reduce_to_all (destinations)") < 0) return NULL;
+    if (bufs_acquire(&srcs, src_obj, 0, bytes, "reduce_to_all (sources)") < 0) { bufs_release(&dsts); return NULL; }
+    const char *problem = srcs.n < 1 ? "need at least one source" : NULL;
+    /* A destination is written after every source of its block was read: it may be a source
+     * exactly (in place), but must not overlap another destination or straddle a source. */
+    for (int k = 0; k < dsts.n && !problem; k++) {
+        for (int j = 0; j < dsts.n && !problem; j++)
+            if (j != k && overlap(dsts.at[k], dsts.at[j], bytes)) problem = "destinations overlap";
+        for (int q = 0; q < srcs.n && !problem; q++)
+            if (srcs.at[q] != dsts.at[k] && overlap(dsts.at[k], srcs.at[q], bytes))
+                problem = "a destination partly overlaps a source";
+    }
+    if (problem) {
+        bufs_release(&dsts); bufs_release(&srcs);
+        PyErr_Format(PyExc_ValueError, "reduce_to_all: %s", problem);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (count) reduce_slices(dsts, ndst, srcs, nsrc, count, dtype, op, divisor, nontemporal);
+    if (count) reduce_slices(dsts.at, dsts.n, srcs.at, srcs.n, count, dtype, op, divisor, nontemporal);
     Py_END_ALLOW_THREADS
-    PyMem_Free(dsts);
-    PyMem_Free(srcs);
+    bufs_release(&dsts);
+    bufs_release(&srcs);
     Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ Python type */
-static void Ctx_dealloc(Ctx *self) {
+static void Ctx_release(Ctx *self) {
+    for (int i = 0; self->views && i < self->nranks; i++) PyBuffer_Release(&self->views[i]);
+    PyMem_Free(self->views);
     PyMem_Free(self->regions);
+    self->views = NULL;
+    self->regions = NULL;
+    self->nranks = 0;
+}
+
+static void Ctx_dealloc(Ctx *self) {
+    Ctx_release(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Every method needs the regions: a Ctx made without __init__ (or whose __init__ failed)
+ * raises instead of reading through a NULL pointer. */
+static int ready(Ctx *self) {
+    if (self->regions) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "_shmsync.Ctx is not initialised (its __init__ did not run or failed)");
+    return 0;
 }
 
 static int Ctx_init(Ctx *self, PyObject *args, PyObject *kwds) {
@@ -257,23 +319,22 @@ static int Ctx_init(Ctx *self, PyObject *args, PyObject *kwds) {
     long spin_limit;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oinl", kwlist, &regions, &rank, &slot_bytes, &spin_limit))
         return -1;
-    PyObject *seq = PySequence_Fast(regions, "regions must be a sequence of addresses");
-    if (!seq) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n < 1 || rank < 0 || rank >= n || slot_bytes < 0) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "need at least one region, 0 <= rank < len(regions), slot_bytes >= 0");
+    Ctx_release(self);
+    if (slot_bytes < 0 || slot_bytes > (PY_SSIZE_T_MAX - DATA_OFF) / 2) {
+        PyErr_Format(PyExc_ValueError, "Ctx: slot_bytes must be >= 0, got %zd", slot_bytes);
         return -1;
     }
-    PyMem_Free(self->regions);
-    self->regions = PyMem_Calloc(n, sizeof(char *));
-    if (!self->regions) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        self->regions[i] = (char *)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
-        if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+    /* each region: flag, header slots and two data slots, all inside the buffer */
+    Bufs b;
+    if (bufs_acquire(&b, regions, 1, DATA_OFF + 2 * slot_bytes, "Ctx regions") < 0) return -1;
+    if (b.n < 1 || rank < 0 || rank >= b.n) {
+        bufs_release(&b);
+        PyErr_SetString(PyExc_ValueError, "Ctx: need at least one region and 0 <= rank < len(regions)");
+        return -1;
     }
-    Py_DECREF(seq);
-    self->nranks = (int)n;
+    self->views = b.views;
+    self->regions = b.at;
+    self->nranks = b.n;
     self->rank = rank;
     self->slot_bytes = slot_bytes;
     self->spin_limit = spin_limit;
@@ -299,7 +360,7 @@ static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
     PyObject *hdr_obj, *buf_obj;
     int dtype, op;
     double timeout;
-    if (!PyArg_ParseTuple(args, "OOiid", &hdr_obj, &buf_obj, &dtype, &op, &timeout)) return NULL;
+    if (!ready(self) || !PyArg_ParseTuple(args, "OOiid", &hdr_obj, &buf_obj, &dtype, &op, &timeout)) return NULL;
     Py_buffer hdr = {0}, buf = {0};
     int have_hdr = header_acquire(hdr_obj, &hdr), have_buf = buf_obj != Py_None;
     if (have_hdr < 0) return NULL;
@@ -418,7 +479,8 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
     long divisor;
     double timeout;
     Py_ssize_t seg_bytes;
-    if (!PyArg_ParseTuple(args, "OiilOdn", &buf_obj, &dtype, &op, &divisor, &hdr_obj, &timeout, &seg_bytes))
+    if (!ready(self) || !PyArg_ParseTuple(args, "OiilOdn", &buf_obj, &dtype, &op, &divisor, &hdr_obj, &timeout,
+                                          &seg_bytes))
         return NULL;
     int item = itemsize_of(dtype);
     if (item == 0 || op < OP_SUM || op > OP_PROD) {
@@ -507,6 +569,7 @@ static PyObject *Ctx_allreduce_piped(Ctx *self, PyObject *args) {
 
 /* headers(out): copy every rank's header of the current sequence into out (nranks*64 bytes). */
 static PyObject *Ctx_headers(Ctx *self, PyObject *arg) {
+    if (!ready(self)) return NULL;
     Py_buffer out;
     if (PyObject_GetBuffer(arg, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (out.len != (Py_ssize_t)self->nranks * HDR_BYTES) {
@@ -522,6 +585,7 @@ static PyObject *Ctx_headers(Ctx *self, PyObject *arg) {
 
 /* missing() -> list of local ranks whose flag has not reached the current sequence. */
 static PyObject *Ctx_missing(Ctx *self, PyObject *Py_UNUSED(ignored)) {
+    if (!ready(self)) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     for (int q = 0; q < self->nranks; q++) {
@@ -535,6 +599,7 @@ static PyObject *Ctx_missing(Ctx *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Ctx_get_seq(Ctx *self, void *Py_UNUSED(closure)) {
+    if (!ready(self)) return NULL;
     return PyLong_FromUnsignedLongLong(self->seq);
 }
 
@@ -568,7 +633,7 @@ static PyTypeObject CtxType = {
 
 static PyMethodDef module_methods[] = {
     {"reduce_to_all", reduce_to_all, METH_VARARGS,
-     "reduce_to_all(dst_addresses, src_addresses, count, dtype_code, op_code, divisor, nontemporal)"},
+     "reduce_to_all(dst_buffers, src_buffers, count, dtype_code, op_code, divisor, nontemporal)"},
     {NULL},
 };
 

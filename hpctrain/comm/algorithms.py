@@ -39,7 +39,7 @@ def native_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
         _native_upcast_(comm, arr, op, dtype_name)
         return
     try:
-        comm.Allreduce(MPI.IN_PLACE, arr, op=_mpi_op(op, dtype_name))
+        _allreduce_nan_(comm, arr, _mpi_op(op, dtype_name), op)
     except MPI.Exception:
         if dtype_name != "float16":
             raise
@@ -50,6 +50,20 @@ def native_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
         finish_average(arr, comm.Get_size(), dtype_name)
 
 
+def _allreduce_nan_(comm, arr: np.ndarray, mpi_op, op: str) -> None:
+    """``MPI_Allreduce`` in place, with min and max of floats as numpy's (and every other
+    algorithm's): NaN wherever any rank holds NaN. MPI leaves NaN to the implementation (Open
+    MPI keeps or drops it by operand order), so a second all-reduce (MAX of a one-byte NaN
+    mask) says where; it runs for float min/max only."""
+    if op not in ("min", "max") or arr.dtype.kind != "f" or not arr.size:
+        comm.Allreduce(MPI.IN_PLACE, arr, op=mpi_op)
+        return
+    mask = np.isnan(arr).view(np.uint8)
+    comm.Allreduce(MPI.IN_PLACE, arr, op=mpi_op)
+    comm.Allreduce(MPI.IN_PLACE, mask, op=MPI.MAX)
+    arr[mask.view(bool)] = np.nan
+
+
 def _native_upcast_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
     import torch
 
@@ -58,7 +72,7 @@ def _native_upcast_(comm, arr: np.ndarray, op: str, dtype_name: str) -> None:
         wide = t.float().numpy()
     else:
         wide = arr.astype(np.float32)
-    comm.Allreduce(MPI.IN_PLACE, wide, op=_MPI_OPS[op])
+    _allreduce_nan_(comm, wide, _MPI_OPS[op], op)
     if op == "avg":
         wide /= comm.Get_size()
     if dtype_name == "bfloat16":
@@ -277,7 +291,7 @@ def pipes(group, nbytes: int, dtype_name: str, cross: bool = False) -> bool:
 
 
 def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog, what,
-         cross: bool = False, header: Optional[bytes] = None) -> None:
+         cross: bool = False, header: Optional[bytes] = None, shape=None) -> None:
     """All-reduce through the node's shared window; with ``cross``, the hierarchical variant
     (each node-local slice is ring-all-reduced across nodes before everyone reads it).
 
@@ -288,13 +302,14 @@ def shm_(group, src: np.ndarray, out: np.ndarray, op: str, dtype_name: str, dog,
     copied back out.
 
     ``src`` and ``out`` may be the same array. ``header``: the packed agreement check, for the
-    piped path to carry on its first flag (the caller then skips its own agreement exchange).
+    piped path to carry on its first flag (the caller then skips its own agreement exchange);
+    ``shape``: the caller's, named if that check fails on a shape.
     """
     if pipes(group, src.nbytes, dtype_name, cross):
         if out is not src:
             np.copyto(out, src)
         group.node_flags.allreduce_piped(out, shmsync.kernel_dtype_code(dtype_name), op, group.size, header, dog,
-                                         what, _describe_local, group)
+                                         what, _describe_local, group, shape)
         return
     node = group.node_comm
     local_size, local_rank = node.Get_size(), node.Get_rank()
@@ -347,7 +362,6 @@ class SharedBuffer:
             buf, _ = self.win.Shared_query(q)
             self.slots.append(np.frombuffer(buf, dtype=np.uint8)[:count * self.dtype.itemsize].view(self.dtype))
         self.array = self.slots[group.node_comm.Get_rank()]
-        self.addresses = [slot.__array_interface__["data"][0] for slot in self.slots]
         self.base = self.array.__array_interface__["data"][0]
         self.end = self.base + count * self.dtype.itemsize
 
@@ -394,7 +408,7 @@ def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, 
             node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' data)"))
         if b > a:
             item = sbuf.dtype.itemsize
-            where = [base + (offset + a) * item for base in sbuf.addresses]
+            where = [slot[offset + a:offset + b] for slot in sbuf.slots]
             shmsync.reduce_to_all(where, where, b - a, code, op, group.size,
                                   streaming=count * item * local_size > shmsync.STREAMING_BYTES)
         node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' results)"))

@@ -83,7 +83,10 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     """Reduce ``x`` over the ranks of ``group``; return a new array/tensor with the result.
 
     op: sum | avg | min | max | prod. algorithm: auto | ring | native | shm | hierarchical
-    (auto picks by size and topology; HPCTRAIN_ALLREDUCE overrides auto).
+    (auto picks by size and topology; HPCTRAIN_ALLREDUCE overrides auto). min and max follow
+    numpy's minimum and maximum on every algorithm: NaN on any rank gives NaN there (MPI
+    leaves it to the implementation, so the native path marks NaN itself). Every rank must
+    pass the same shape and dtype (checked, unless the agreement check is off).
     """
     g = _sync_start(group)
     if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and x.nbytes < plan.LARGE_RING_BYTES
@@ -112,7 +115,8 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
                 ops = _SMALL_OP.get(op)
                 if code is not None and ops is not None:
                     g.seq += 1
-                    header = shmsync.HEADER.pack(g.seq, 0, ops[0], code, x.size, _SHM, 0, 0) if _CHECKS["on"] else None
+                    header = shmsync.HEADER.pack(g.seq, 0, ops[0], code, x.size if x.ndim == 1 else guard.count_word(
+                        x.shape, x.size), _SHM, 0, 0) if _CHECKS["on"] else None
                     dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
                     try:
                         status = g.node_flags.ctx.exchange(header, x, code, ops[1], dog.timeout)
@@ -176,17 +180,18 @@ def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
         f"allreduce({op}, {x.dtype}, {x.size} elements, {algo}) [collective #{g.seq}] on {g.name}")
     if g.autotune:
         candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
-        _tuned_allreduce_(g, x, op, _FAST_DTYPE_NAMES[x.dtype], code, x.size, candidates, what)
+        _tuned_allreduce_(g, x, op, _FAST_DTYPE_NAMES[x.dtype], code, x.size, candidates, what, shape=x.shape)
         return True
     g.seq += 1
-    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, x.size, _SHM, 0, 0) if _CHECKS["on"] else None
+    header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, guard.count_word(x.shape, x.size), _SHM, 0, 0)
+              if _CHECKS["on"] else None)
     g.node_flags.allreduce_piped(x, code, op, g.size, header, _world_state["watchdog"], lambda: what("shm"),
-                                 g.describe_ranks, g)
+                                 g.describe_ranks, g, x.shape)
     return True
 
 
 def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count: int, candidates: Tuple[str, ...],
-                      what, nbytes: Optional[int] = None) -> None:
+                      what, nbytes: Optional[int] = None, shape=None) -> None:
     """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
     concatenation: ``count`` elements, ``nbytes`` in all) in place with the algorithm the
     group's local rank 0 picks among ``candidates`` (``tuning.Tuner``).
@@ -199,7 +204,7 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
     exchange in front of each piped call would line the ranks up and cost ~9 µs of
     pipelining at 1 MiB. So runs longer than one call are taken only for the piped path (or
     with the agreement check off); local rank 0 times every call for its tuner. ``what(algo)``:
-    the call, described for a stall report."""
+    the call, described for a stall report; ``shape``: the caller's (folded into the header)."""
     flags = g.node_flags
     dog = _world_state["watchdog"]
     g.seq += 1
@@ -209,15 +214,16 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
     # timed from before the exchange: its wait holds the skew the previous call (the same
     # algorithm, unless it just switched, which the tuner does not believe) left between ranks
     start = time.perf_counter()
-    header = shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count, _AUTO, 0, 0) if _CHECKS["on"] else None
+    header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count if shape is None else guard.count_word(
+        shape, count), _AUTO, 0, 0) if _CHECKS["on"] else None)
     if run is not None and run[1] > 0:  # inside a run (the piped path, or checks off): no exchange,
         run[1] -= 1                     # the piped path checks the header on its first flag
         algo = candidates[run[0]]
     else:
-        algo = _tuned_choice(g, key, candidates, header, deciding, dog, what)
+        algo = _tuned_choice(g, key, candidates, header, deciding, dog, what, shape)
         header = None  # checked in the exchange
     if algo == "shm":  # takes a list of buffers as it is
-        flags.allreduce_piped(out, code, op, g.size, header, dog, lambda: what(algo), g.describe_ranks, g)
+        flags.allreduce_piped(out, code, op, g.size, header, dog, lambda: what(algo), g.describe_ranks, g, shape)
     else:
         fused = np.concatenate(out) if isinstance(out, list) else out
         if algo == "ring":
@@ -237,7 +243,7 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
 TUNED_RUN_CALLS = 16
 
 
-def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: bool, dog, what) -> str:
+def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: bool, dog, what, shape=None) -> str:
     """The decision exchange: local rank 0's choice (and run length) to every rank, with the
     agreement check. Sets ``g.tuned_runs[key]`` to [choice, further calls of the run]."""
     flags = g.node_flags
@@ -253,7 +259,7 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
         choice[0] = 0
     status = flags.ctx.exchange(header, choice, _INT64, _SUM, dog.timeout)
     if status:
-        flags.check(status, dog, lambda: what("auto") + " (agreement check)", g.describe_ranks, g)
+        flags.check(status, dog, lambda: what("auto") + " (agreement check)", g.describe_ranks, g, shape)
     value = int(choice[0])
     picked, further = value % _RUN_SHIFT, value // _RUN_SHIFT
     if not 1 <= picked <= len(candidates) or further >= TUNED_RUN_CALLS:
@@ -268,36 +274,45 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
 _RUN_SHIFT = 64  # choice value = candidate number + _RUN_SHIFT × (calls of the run − 1)
 
 
-def _exchange_failed(g: Group, x: np.ndarray, op: str, status: int, dog) -> None:
+def _exchange_failed(g: Group, x: np.ndarray, op: str, status: int, dog, shape=None) -> None:
     """Report a flag exchange of ``allreduce_`` that timed out or found the ranks disagreeing."""
     g.node_flags.check(status, dog, lambda: f"allreduce({op}, {x.dtype}, {x.size} elements, shm) "
-                                            f"[collective #{g.seq}] on {g.name}", g.describe_ranks, g)
+                                            f"[collective #{g.seq}] on {g.name}", g.describe_ranks, g,
+                       x.shape if shape is None else shape)
 
 
-def _small_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
+def _small_allreduce_(g: Group, x: np.ndarray, op: str, shape=None) -> bool:
     """The lean path of a small all-reduce on one node (one flag exchange, ~1 µs of Python):
     False, having done nothing, when ``x`` does not qualify — the general path then runs
     (and picks the same algorithm, so ranks on either path still agree). Every call costs
-    here (4 KiB takes ~4 µs in all): keep it flat."""
+    here (4 KiB takes ~4 µs in all): keep it flat. ``shape``: the caller's, when ``x`` is a
+    flat view of it (the header carries its code)."""
     code = _FAST_DTYPES.get(x.dtype)
     ops = _SMALL_OP.get(op)
     if code is None or ops is None or not 0 < x.nbytes <= g.small_shm or not x.flags.c_contiguous:
         return False
     g.seq += 1
-    header = shmsync.HEADER.pack(g.seq, 0, ops[0], code, x.size, _SHM, 0, 0) if _CHECKS["on"] else None
+    if shape is None:
+        shape = x.shape
+    header = (shmsync.HEADER.pack(g.seq, 0, ops[0], code, x.size if len(shape) == 1 and type(shape[0]) is int
+                                  else guard.count_word(shape, x.size), _SHM, 0, 0) if _CHECKS["on"] else None)
     flags = g.node_flags
     dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
     status = flags.ctx.exchange(header, x, code, ops[1], dog.timeout)
     if status:
-        _exchange_failed(g, x, op, status, dog)
+        _exchange_failed(g, x, op, status, dog, shape)
     return True
 
 
-def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
+def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
+    """The general all-reduce; ``shape``: what the ranks agree on, when not ``x``'s own (a
+    grouped call's list of shapes)."""
     check_op(op)
     if device.on_device(x):  # MPI reads device memory itself: its own collective, no host kernels
         return device.allreduce(g, x, op, inplace)
     flat = flatten(x, writable=inplace, what="allreduce")
+    shape = flat.shape if shape is None else shape
+    word = guard.count_word(shape, flat.array.size)
     if op in ("min", "max") and flat.array.dtype.kind == "c":
         raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
     shared = _find_shared(g, flat.array) if inplace else None
@@ -312,11 +327,11 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
         out = src if inplace else src.copy()
         _tuned_allreduce_(g, out, op, flat.dtype_name, shmsync.kernel_dtype_code(flat.dtype_name), src.size, tuned,
                           lambda a: guard.describe_header(guard.make_header(
-                              g.seq, "allreduce", op, flat.dtype_name, src.size, a, 0)) + f" on {g.name}")
+                              g.seq, "allreduce", op, flat.dtype_name, word, a, 0)) + f" on {g.name}", shape=shape)
         return x if inplace else rebuild(flat, out)
     if algo == "shm" and 0 < src.nbytes <= small:  # one flag exchange, agreement check included
         out = src if inplace else src.copy()
-        if not _small_allreduce_(g, out, op):
+        if not _small_allreduce_(g, out, op, shape):
             raise AssertionError("small shared-memory all-reduce refused a qualifying array")
         return x if inplace else rebuild(flat, out)
     extra = shared[1] + 1 if shared else 0
@@ -324,14 +339,14 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
     piped = shared is None and algo == "shm" and algorithms.pipes(g, src.nbytes, flat.dtype_name)
     header = None
     if guard.checks_enabled() and not piped:
-        guard.agree(g, guard.make_header(0, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra), dog)
+        guard.agree(g, guard.make_header(0, "allreduce", op, flat.dtype_name, word, algo, extra), dog, shape)
     else:
         g.seq += 1
         if guard.checks_enabled():
             header = shmsync.HEADER.pack(
-                *guard.make_header(g.seq, "allreduce", op, flat.dtype_name, src.size, algo, extra).tolist(), 0)
+                *guard.make_header(g.seq, "allreduce", op, flat.dtype_name, word, algo, extra).tolist(), 0)
     what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
-        guard.make_header(g.seq, "allreduce", op, flat.dtype_name, flat.array.size, algo, extra)) + f" on {g.name}"
+        guard.make_header(g.seq, "allreduce", op, flat.dtype_name, word, algo, extra)) + f" on {g.name}"
     if shared is not None and algo in ("shm", "hierarchical") and src.size:
         sbuf, offset = shared
         algorithms.shm_zero_copy_(g, sbuf, offset, src.size, op, flat.dtype_name, dog, what,
@@ -339,7 +354,8 @@ def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool) -> Any:
                                   arrived=bool(g.small_shm) and guard.checks_enabled())
     elif algo in ("shm", "hierarchical") and src.size:
         out = src if inplace else np.empty_like(src)
-        algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical", header=header)
+        algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical", header=header,
+                        shape=shape)
     else:
         out = src if inplace else src.copy()
         if g.size == 1 or not out.size:
@@ -372,24 +388,26 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     code = shmsync.kernel_dtype_code(name)
     nbytes = total * (flats[0].array.itemsize if flats else 4)
     requested = requested_algorithm("auto")
+    shape = guard.grouped_shape([f.shape for f in flats])
     piped = g.small_shm and algorithms.pipes(g, nbytes, name) and op in _HEADER_OP
     what = lambda algo: (  # noqa: E731 - built only for a stall report
         f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, {algo}) [collective #{g.seq}] on {g.name}")
     if piped and requested == "auto" and g.autotune:  # local rank 0 picks at run time, as for one array
         candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
-        _tuned_allreduce_(g, [f.array for f in flats], op, name, code, total, candidates, what, nbytes)
+        _tuned_allreduce_(g, [f.array for f in flats], op, name, code, total, candidates, what, nbytes, shape)
         return list(xs)
     if piped and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES):
         g.seq += 1
-        header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, total, "shm", 0).tolist(), 0)
+        header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name, guard.count_word(shape, total),
+                                                         "shm", 0).tolist(), 0)
                   if guard.checks_enabled() else None)
         g.node_flags.allreduce_piped([f.array for f in flats], code, op, g.size, header, _world_state["watchdog"],
-                                     lambda: what("shm"), g.describe_ranks, g)
+                                     lambda: what("shm"), g.describe_ranks, g, shape)
         return list(xs)
     concat = (np.concatenate([f.array for f in flats]) if flats
               else np.empty(0, dtype=np.uint16 if name == "bfloat16" else name))
     fused = rebuild(Flat(concat, (total,), name, any(f.is_torch for f in flats)), concat)
-    _allreduce(fused, op, "auto", g, inplace=True)
+    _allreduce(fused, op, "auto", g, inplace=True, shape=shape)
     _scatter_back(concat, [f.array for f in flats])
     return list(xs)
 
@@ -421,8 +439,8 @@ def shared_buffer(shape, dtype="float32", group: Optional[Group] = None) -> algo
     dtype_name = str(dtype).replace("torch.", "")
     np_dtype = np.uint16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
     dog = watchdog()
-    header = guard.make_header(0, "allreduce", "-", dtype_name, count, "shm", 0)
-    guard.agree(g, header, dog)
+    header = guard.make_header(0, "allreduce", "-", dtype_name, guard.count_word(shape, count), "shm", 0)
+    guard.agree(g, header, dog, shape)
     with dog.watch(f"shared_buffer({shape}, {dtype_name}) allocation on {g.name}", _all_ranks(g)):
         sbuf = algorithms.SharedBuffer(g, count, np_dtype, dtype_name)
     sbuf.array = sbuf.array.reshape(shape)
@@ -499,8 +517,9 @@ def broadcast_(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
 def _broadcast_flat(g: Group, flat: Flat, out: np.ndarray, root: int) -> None:
     _check_root(root, g)
     dog = watchdog()
-    header = guard.make_header(0, "broadcast", "-", flat.dtype_name, flat.array.size, "-", root + 1)
-    guard.agree(g, header, dog)
+    header = guard.make_header(0, "broadcast", "-", flat.dtype_name, guard.count_word(flat.shape, flat.array.size),
+                               "-", root + 1)
+    guard.agree(g, header, dog, flat.shape)
     if g.size > 1 and out.size:
         with dog.watch(lambda: guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
             g.comm.Bcast(out.view(np.uint8), root=root)
@@ -519,12 +538,14 @@ def reduce_scatter(x: Any, op: str = "sum", group: Optional[Group] = None) -> An
     bounds = plan.chunk_bounds(rows, g.size)
     a, b = bounds[g.rank]
     dog = watchdog()
-    header = guard.make_header(0, "reduce_scatter", op, flat.dtype_name, flat.array.size)
-    guard.agree(g, header, dog)
+    header = guard.make_header(0, "reduce_scatter", op, flat.dtype_name, guard.count_word(flat.shape, flat.array.size))
+    guard.agree(g, header, dog, flat.shape)
     counts = [(hi - lo) * row_elems for lo, hi in bounds]
     out = np.empty(counts[g.rank], dtype=flat.array.dtype)
     with dog.watch(lambda: guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
-        if flat.dtype_name in ("bfloat16", "bool") or g.size == 1:
+        # float min/max through native_ too, which propagates NaN as every all-reduce does
+        if (flat.dtype_name in ("bfloat16", "bool") or g.size == 1
+                or op in ("min", "max") and flat.array.dtype.kind == "f"):
             full = flat.array.copy()
             if g.size > 1:
                 algorithms.native_(g.comm, full, op, flat.dtype_name)

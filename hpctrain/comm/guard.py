@@ -1,10 +1,13 @@
 """Cheap agreement check before each collective, and the watched wait around it.
 
 Every rank sends a small header (sequence number, operation, reduction op, dtype, element
-count, algorithm) to group rank 0, which compares them and answers every rank with one
-verdict. A mismatch becomes the same CollectiveMismatchError on every rank, naming the
-ranks and what each called. Because rank 0 knows whose header has not arrived, the stall
-watchdog can name the ranks that never entered the collective.
+count with a code of the shape folded in, algorithm) to group rank 0, which compares them
+and answers every rank with one verdict. A mismatch becomes a CollectiveMismatchError on
+every rank, naming the ranks and what each called (with every rank's shape when the shapes
+differ: gathered only then, so a call that agrees costs no more bytes). Because rank 0
+knows whose header has not arrived, the stall watchdog can name the ranks that never
+entered the collective. On one node with shared-memory flags the same check is one flag
+exchange (``shmsync.NodeFlags.agree``).
 
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
 watchdog still catches stalls then, but cannot name the missing ranks as precisely.
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -66,21 +69,70 @@ def shape_code(shape: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(shape)).encode())
 
 
+# The header's count word: the element count in bits 0-39 (counts up to 2**40), a 23-bit code
+# of the shape in bits 40-62. A 1-D shape has code 0, so 1-D calls carry the bare count and
+# any other shape (N-D, 0-d, a grouped call's list of shapes) a non-zero code.
+_COUNT_BITS = 40
+_COUNT_MASK = (1 << _COUNT_BITS) - 1
+_CODE_RANGE = (1 << 23) - 1
+_SHAPE_WORDS: Dict[object, int] = {}  # shape -> its code, shifted into place
+
+
+def _shape_bits(shape) -> int:
+    bits = _SHAPE_WORDS.get(shape)
+    if bits is None:
+        key = repr(tuple(d if isinstance(d, (str, tuple)) else int(d) for d in shape))
+        bits = (zlib.crc32(key.encode()) % _CODE_RANGE + 1) << _COUNT_BITS
+        if len(_SHAPE_WORDS) > 4096:  # shapes a program uses are few; bound the cache anyway
+            _SHAPE_WORDS.clear()
+        _SHAPE_WORDS[shape] = bits
+    return bits
+
+
+def count_word(shape, count: int) -> int:
+    """The header's count word for ``count`` elements of ``shape`` (a tuple of ints, or for a
+    grouped call a tuple of such tuples, marked by ``grouped_shape``)."""
+    if len(shape) == 1 and not isinstance(shape[0], (str, tuple)):
+        return count
+    return count | _shape_bits(shape)
+
+
+def grouped_shape(shapes: Sequence[Sequence[int]]) -> tuple:
+    """The shape a grouped all-reduce agrees on: every array's shape, in order."""
+    return ("grouped",) + tuple(tuple(int(d) for d in s) for s in shapes)
+
+
+def _shape_of_word(word: int) -> int:
+    return word >> _COUNT_BITS if word >= 0 else 0
+
+
+def _show_shape(shape) -> str:
+    if shape and shape[0] == "grouped":
+        return "shapes [" + ", ".join(str(s) for s in shape[1:]) + "]"
+    return f"shape {tuple(shape)}"
+
+
 def make_header(seq: int, op: str, reduction: str = "-", dtype: str = "", count: int = -1,
                 algorithm: str = "-", extra: int = 0) -> np.ndarray:
     return np.array((seq, _OP_INDEX[op], _RED_INDEX[reduction], DTYPE_CODES.get(dtype, -1), count,
                      _ALGO_INDEX[algorithm], extra), dtype=np.int64)
 
 
-def describe_header(h: Sequence[int]) -> str:
-    seq, op, red, dt, count, algo, extra = (int(v) for v in h)
+def describe_header(h: Sequence[int], shape=None) -> str:
+    """One call, as its header shows it; ``shape``: that rank's shape, when known."""
+    seq, op, red, dt, word, algo, extra = (int(v) for v in h)
     parts = []
     if red > 0:
         parts.append(_RED_NAMES[red])
     if dt >= 0:
         parts.append(_DTYPE_NAMES.get(dt, f"dtype#{dt}"))
-    if count >= 0:
-        parts.append(f"{count} elements")
+    if word >= 0:
+        count = f"{word & _COUNT_MASK} elements"
+        if shape is not None:
+            count += f" of {_show_shape(shape)}"
+        elif _shape_of_word(word):
+            count += f" of shape #{_shape_of_word(word):06x}"
+        parts.append(count)
     if algo > 0:
         parts.append(_ALGO_NAMES[algo])
     if extra:
@@ -88,11 +140,17 @@ def describe_header(h: Sequence[int]) -> str:
     return f"{_OP_NAMES[op]}({', '.join(parts)}) [collective #{seq}]"
 
 
-def mismatch_message(headers: np.ndarray, group) -> str:
-    """Group ranks by what they called; pure so that it can be unit-tested."""
+def shapes_differ(headers: np.ndarray) -> bool:
+    """Whether the ranks' headers differ in the shape code (then their shapes are worth gathering)."""
+    return len({_shape_of_word(int(h[4])) for h in headers}) > 1
+
+
+def mismatch_message(headers: np.ndarray, group, shapes: Optional[Sequence] = None) -> str:
+    """Group ranks by what they called; ``shapes``: every rank's shape (None: not gathered).
+    Pure so that it can be unit-tested."""
     by_call: Dict[str, List[int]] = {}
     for r, h in enumerate(headers):
-        by_call.setdefault(describe_header(h), []).append(r)
+        by_call.setdefault(describe_header(h, None if shapes is None else shapes[r]), []).append(r)
     lines = [f"  {group.describe_ranks(ranks)} called {call}" for call, ranks in by_call.items()]
     return (
         f"ranks of group '{group.name}' entered different collectives:\n" + "\n".join(lines) +
@@ -101,15 +159,18 @@ def mismatch_message(headers: np.ndarray, group) -> str:
     )
 
 
-def agree(group, header: np.ndarray, dog) -> None:
-    """Check that every rank of ``group`` entered the same collective; raise on mismatch."""
+def agree(group, header: np.ndarray, dog, shape=None) -> None:
+    """Check that every rank of ``group`` entered the same collective; raise on mismatch.
+    ``shape``: this rank's shape (whose code the header's count word holds), named in the
+    error when the ranks' shapes differ."""
     group.seq += 1
     if not _enabled["on"] or group.size == 1:
         return
     header[0] = group.seq
     what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report
     if group.small_shm:  # one node: one flag exchange in shared memory
-        group.node_flags.agree(header, dog, lambda: what() + " (agreement check)", group.describe_ranks, group)
+        group.node_flags.agree(header, dog, lambda: what() + " (agreement check)", group.describe_ranks, group,
+                               shape=shape)
         return
     comm = group.ctl_comm
     if group.rank == 0:
@@ -130,13 +191,12 @@ def agree(group, header: np.ndarray, dog) -> None:
                     pending.discard(i + 1)
         ok = bool((headers == headers[0]).all())
         verdict = np.array([0 if ok else 1], dtype=np.int64)
-        message = "" if ok else mismatch_message(headers, group)
         sends = [comm.Isend(verdict, dest=r, tag=_TAG_VERDICT) for r in range(1, group.size)]
         MPI.Request.Waitall(sends)
         if not ok:
             for r in range(1, group.size):
-                comm.send(message, dest=r, tag=_TAG_MESSAGE)
-            raise CollectiveMismatchError(message)
+                comm.send(headers, dest=r, tag=_TAG_MESSAGE)
+            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what))
     else:
         comm.Send(header, dest=0, tag=_TAG_HEADER)
         verdict = np.empty(1, dtype=np.int64)
@@ -145,4 +205,25 @@ def agree(group, header: np.ndarray, dog) -> None:
                        lambda: f"{coordinator}, which coordinates the check (see its report)", grace=2.0):
             comm.Recv(verdict, source=0, tag=_TAG_VERDICT)
             if verdict[0] != 0:
-                raise CollectiveMismatchError(comm.recv(source=0, tag=_TAG_MESSAGE))
+                headers = comm.recv(source=0, tag=_TAG_MESSAGE)
+        if verdict[0] != 0:
+            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what))
+
+
+def plain_shape(shape):
+    """``shape`` as plain Python (tuples of ints), to send to other ranks; None stays None."""
+    if shape is None:
+        return None
+    return tuple(d if isinstance(d, (str, tuple)) else int(d) for d in shape)
+
+
+def mismatch_report(comm, headers: np.ndarray, group, shape, dog, what) -> str:
+    """The error every rank raises for a mismatch that every rank of ``comm`` has seen (the
+    same ``headers`` everywhere): when the shapes differ, each rank's shape is gathered (one
+    allgather, on this error path only) and named."""
+    shapes = None
+    if shapes_differ(headers):
+        with dog.watch(lambda: (what() if callable(what) else what) + " (gathering the shapes of a mismatch)",
+                       lambda: f"one or more of the {comm.Get_size()} ranks of group '{group.name}'"):
+            shapes = comm.allgather(plain_shape(shape))
+    return mismatch_message(headers, group, shapes)

@@ -3,8 +3,9 @@
 The C ring does what :func:`hpctrain.comm.algorithms.ring_` does in Python, without ~10 µs
 of Python per step and with the all-gather's first step overlapping the last reduction
 (docs/performance.md, sixth session). It needs no MPI headers at build time: ``bind`` looks
-up ``MPI_Isend``, ``MPI_Irecv`` and ``MPI_Wait`` in the MPI library that mpi4py loaded and
-hands their addresses to the extension, which calls them with mpi4py's integer handles.
+up ``MPI_Isend``, ``MPI_Irecv``, ``MPI_Wait`` and ``MPI_Cancel`` in the MPI library that
+mpi4py loaded and hands their addresses to the extension, which calls them with mpi4py's
+integer handles.
 
 Every rank of a communicator must take the same path (the C and Python rings exchange
 different messages): :func:`usable` agrees on it once per communicator, with one MIN
@@ -54,7 +55,7 @@ def _bind() -> bool:
             try:
                 lib = ctypes.CDLL(MPI.__file__)  # already loaded; its lookups reach libmpi
                 address = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                           for name in ("MPI_Isend", "MPI_Irecv", "MPI_Wait")]
+                           for name in ("MPI_Isend", "MPI_Irecv", "MPI_Wait", "MPI_Cancel")]
                 _mpiring.bind(*address)
                 ok = True
             except (OSError, AttributeError, ValueError) as exc:

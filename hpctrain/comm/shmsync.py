@@ -78,10 +78,11 @@ def kernel_dtype_code(dtype_name: str) -> Optional[int]:
     return code if code in FAST_DTYPES else None
 
 
-def reduce_to_all(addresses, sources, count: int, dtype_code: int, op: str, ranks: int, streaming: bool) -> None:
-    """Elements [0, count) at every address in ``sources`` reduced (in rank order; 'avg'
-    divides by ``ranks``) and stored at every address in ``addresses``; GIL released."""
-    _shmsync.reduce_to_all(addresses, sources, count, dtype_code, OP_CODES[op], ranks, streaming)
+def reduce_to_all(targets, sources, count: int, dtype_code: int, op: str, ranks: int, streaming: bool) -> None:
+    """Elements [0, count) of every buffer in ``sources`` reduced (in rank order; 'avg'
+    divides by ``ranks``) and stored into every (writable) buffer in ``targets``, which may be
+    the sources themselves; GIL released. Every buffer must hold ``count`` elements."""
+    _shmsync.reduce_to_all(targets, sources, count, dtype_code, OP_CODES[op], ranks, streaming)
 
 
 def available() -> bool:
@@ -102,7 +103,7 @@ class NodeFlags:
         views = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8) for q in range(self.size)]
         views[self.rank][:_shmsync.REGION_HEADER_BYTES] = 0  # window memory is not zeroed
         node_comm.Barrier()
-        self.ctx = _shmsync.Ctx([v.ctypes.data for v in views], self.rank, slot_bytes, spin)
+        self.ctx = _shmsync.Ctx(views, self.rank, slot_bytes, spin)
         self._views = views  # keep the mappings referenced as long as ctx uses them
 
     @classmethod
@@ -141,40 +142,43 @@ class NodeFlags:
         """Every local rank has arrived (a memory barrier too: writes before it are visible after)."""
         self.check(self.ctx.exchange(None, None, 0, 0, dog.timeout), dog, what, describe, None)
 
-    def agree(self, header, dog, what, describe, group) -> None:
+    def agree(self, header, dog, what, describe, group, shape=None) -> None:
         """The agreement check of guard.agree, in one flag exchange. ``header``: the 7 fields
-        of guard.make_header, or those already packed with HEADER."""
+        of guard.make_header, or those already packed with HEADER; ``shape``: this rank's,
+        named in the error when the ranks' shapes differ."""
         if not isinstance(header, bytes):
             header = HEADER.pack(*(header.tolist() if isinstance(header, np.ndarray) else map(int, header)), 0)
         status = self.ctx.exchange(header, None, 0, 0, dog.timeout)
         if status:
-            self.check(status, dog, what, describe, group)
+            self.check(status, dog, what, describe, group, shape)
 
     def pipes(self, nbytes: int) -> bool:
         """Whether an all-reduce of ``nbytes`` (more than a flag exchange) streams through the slots."""
         return nbytes > self.small_bytes and self.slot_bytes >= PIPED_MIN_SLOT_BYTES
 
     def allreduce_piped(self, x: np.ndarray, code: int, op: str, divisor: int, header, dog, what, describe,
-                        group) -> None:
+                        group, shape=None) -> None:
         """All-reduce the private array ``x`` in place through the data slots, one segment after
         another (see ``allreduce_piped`` in _shmsync.c): each rank reduces its part of every
         segment from its own buffer and its peers' slots, then copies the others' parts back.
-        ``header``: the packed agreement check (riding on the first flag), or None."""
+        ``header``: the packed agreement check (riding on the first flag), or None; ``shape``:
+        the caller's shape, for the error."""
         status = self.ctx.allreduce_piped(x, code, OP_CODES[op], divisor, header, dog.timeout, PIPE_SEGMENT_BYTES)
         if status:
-            self.check(status, dog, what, describe, group)
+            self.check(status, dog, what, describe, group, shape)
 
-    def check(self, status: int, dog, what, describe, group) -> None:
-        """Raise for a failed exchange: a header mismatch (every rank's header named), or a
-        stall (reported and the job aborted by ``dog``)."""
+    def check(self, status: int, dog, what, describe, group, shape=None) -> None:
+        """Raise for a failed exchange: a header mismatch (every rank's header named, and every
+        rank's shape when they differ: every local rank saw the same headers, so all gather
+        them), or a stall (reported and the job aborted by ``dog``)."""
         if status == ST_OK:
             return
         if status == ST_MISMATCH:
-            from .guard import HEADER_LEN, mismatch_message
+            from .guard import HEADER_LEN, mismatch_report
 
             headers = np.empty((self.size, 8), dtype=np.int64)
             self.ctx.headers(headers)
-            raise CollectiveMismatchError(mismatch_message(headers[:, :HEADER_LEN], group))
+            raise CollectiveMismatchError(mismatch_report(self.comm, headers[:, :HEADER_LEN], group, shape, dog, what))
         dog.stalled(what, dog.timeout, describe(self.ctx.missing()))
 
     def free(self) -> None:

@@ -12,7 +12,9 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from . import launcher
-from .errors import NotInitializedError
+from .asyncq import drain
+from .errors import CommError, NotInitializedError
+from .guard import agree, make_header
 from .plan import Topology, topology_from_keys
 from .watchdog import Watchdog, stall_timeout
 
@@ -155,8 +157,6 @@ def shutdown() -> None:
     mpi4py at exit (so that mpi4py users can keep using MPI after hpctrain is done)."""
     if _state["world"] is None:
         return
-    from .asyncq import drain
-
     drain()
     if _state["watchdog"] is not None:
         _state["watchdog"].stop()
@@ -300,23 +300,49 @@ def report_and_abort(exc_type, exc, tb) -> None:
     abort_job(1)
 
 
-def rendezvous_address(group: Optional[Group] = None) -> tuple:
-    """(host, port) for a TCP rendezvous (e.g. torch.distributed's init_method), chosen by
-    rank 0 of the group and sent to every rank over MPI — no MASTER_ADDR/PORT boilerplate."""
+def rendezvous_store(host: Optional[str] = None, timeout_s: float = 300.0, group: Optional[Group] = None):
+    """A ``torch.distributed.TCPStore`` shared by the ranks of ``group``, for
+    ``init_process_group(store=...)`` (no MASTER_ADDR/PORT boilerplate). Collective.
+
+    Rank 0 starts the store's server on a port the operating system picks (port 0) and keeps
+    it bound, so that no other process can take the port between choosing and listening;
+    its address (``host``, default rank 0's host address, and the store's port) reaches every
+    rank over MPI, and the other ranks connect to it. torch is imported here only."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
     g = resolve(group)
-    address = None
+    drain()  # queued async collectives first: the same order on every rank
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, address, error = None, None, None
     if g.rank == 0:
-        import socket as _socket
-
-        with _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        host = hostname()
         try:
-            host = _socket.gethostbyname(host)
-        except OSError:
-            host = "127.0.0.1"
-        address = (host, port)
-    from .collectives import broadcast_object
+            # the server listens on every interface; `host` is where the others reach it
+            host = host or _host_address()
+            store = TCPStore(host, 0, g.size, is_master=True, timeout=timeout, wait_for_workers=False)
+            address = (host, store.port)
+        except (RuntimeError, OSError) as exc:
+            error = f"rank 0 could not start the rendezvous store for torch.distributed: {exc}"
+    dog = watchdog()
+    agree(g, make_header(0, "broadcast_object", extra=1), dog)
+    with dog.watch(f"rendezvous address from rank 0 of {g.name}", lambda: g.describe_ranks([0])):
+        address, error = g.comm.bcast((address, error), root=0)
+    if error is not None:
+        raise CommError(error + "\nHINT: check that rank 0 may listen on a TCP port (firewall, ulimit -n)")
+    if store is None:
+        try:
+            store = TCPStore(address[0], address[1], g.size, is_master=False, timeout=timeout)
+        except (RuntimeError, OSError) as exc:
+            raise CommError(f"rank {g.rank} could not reach the rendezvous store at {address[0]}:{address[1]} "
+                            f"(rank 0's): {exc}\nHINT: set HPCTRAIN_RENDEZVOUS_ADDR to an address of rank 0's "
+                            "node that this node can reach") from exc
+    return store
 
-    return tuple(broadcast_object(address, root=0, group=g))
+
+def _host_address() -> str:
+    host = hostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"

@@ -6,10 +6,11 @@ Every backend offers the same three calls on a flat, contiguous buffer: ``allred
 (in place, returns an object with ``wait()`` and ``done()``), ``broadcast_`` and ``barrier``.
 Submission order is the only matching rule, the same as for hpctrain.comm.
 
-torch.distributed rendezvous: rank 0 binds a free TCP port, the address travels to every rank
-with ``comm.broadcast_object``, and every rank calls ``init_process_group(init_method=
-"tcp://addr:port")``. The address is rank 0's host address (``comm.rendezvous_address()``);
-``HPCTRAIN_RENDEZVOUS_ADDR`` overrides it (e.g. the address of a fast interface).
+torch.distributed rendezvous: rank 0 starts a ``TCPStore`` on a port the system picks (and
+keeps it bound), its address travels to every rank over MPI, the others connect to it, and
+every rank calls ``init_process_group(store=...)`` (``comm.rendezvous_store()``). The address
+is rank 0's host address; ``HPCTRAIN_RENDEZVOUS_ADDR`` overrides it (e.g. the address of a
+fast interface).
 """
 from __future__ import annotations
 
@@ -134,12 +135,13 @@ def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
                                "the existing process group first")
         return
     comm.init()
-    host, port = comm.rendezvous_address()
+    host = None
     override = os.environ.get("HPCTRAIN_RENDEZVOUS_ADDR")
     if override:
         host = override
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.rank(),
-                            world_size=comm.size(), timeout=datetime.timedelta(seconds=timeout_s))
+    store = comm.rendezvous_store(host, timeout_s=timeout_s)
+    dist.init_process_group(backend, store=store, rank=comm.rank(), world_size=comm.size(),
+                            timeout=datetime.timedelta(seconds=timeout_s))
     _cache.setdefault("_torch_pg_owner", TorchDistBackend.__new__(TorchDistBackend))
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hpctrain.torch as hvd
+from hpctrain import comm
 from hpctrain.torch import backends, staging
 from require import skip_or_fail
 
@@ -63,6 +64,30 @@ def test_gloo_backend_matches_reference():
     import torch.distributed as dist
 
     assert dist.is_initialized() and dist.get_world_size() == N and dist.get_rank() == R
+    # the process group's store is rank 0's TCPStore itself, on one port for every rank
+    store = dist.distributed_c10d._get_default_store()
+    store = getattr(store, "underlying_store", store)
+    assert isinstance(store, dist.TCPStore)
+    assert len(set(comm.allgather_object(store.port))) == 1
+
+
+def test_the_rendezvous_port_is_the_store_s_own_never_probed(monkeypatch):
+    """No free-port probe (bind, close, bind again: a window in which another process can
+    take the port): rank 0's store binds port 0 itself and keeps it, so no Python socket is
+    bound at all, and every rank reaches the same store."""
+    import socket
+
+    def no_bind(*args, **kwargs):
+        raise AssertionError("the rendezvous bound a Python socket (a probed port)")
+
+    monkeypatch.setattr(socket.socket, "bind", no_bind)
+    assert not hasattr(comm, "rendezvous_address")
+    store = comm.rendezvous_store(timeout_s=60)
+    assert store.port > 0 and len(set(comm.allgather_object(store.port))) == 1
+    if R == 0:
+        store.set("hello", f"from rank 0 on port {store.port}")
+    assert store.get("hello") == f"from rank 0 on port {comm.allgather_object(store.port)[0]}".encode()
+    comm.barrier()  # rank 0's store (the server) lives until every rank has read
 
 
 def test_mpi_backend_matches_reference():

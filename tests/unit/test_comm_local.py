@@ -83,3 +83,31 @@ def test_mismatch_message_names_ranks_and_calls():
     assert "ranks 0, 1 called allreduce(sum, float32, 10 elements, ring)" in msg
     assert "ranks 2 called allreduce(sum, float32, 12 elements, ring)" in msg
     assert "HINT" in msg
+
+
+def test_the_count_word_tells_shapes_apart_at_no_cost_for_1d():
+    import torch
+
+    assert guard.count_word((1000,), 1000) == 1000  # 1-D: the bare count, as before
+    words = {guard.count_word(s, 1000) for s in [(10, 100), (100, 10), (1000, 1), (1, 1000), (1000,)]}
+    assert len(words) == 5  # same element count, five shapes, five words
+    assert guard.count_word(torch.Size([10, 100]), 1000) == guard.count_word((10, 100), 1000)
+    assert guard.count_word((), 1) != guard.count_word((1,), 1)
+    one = guard.grouped_shape([(5,), (9,)])
+    assert guard.count_word(one, 14) not in (14, guard.count_word(guard.grouped_shape([(14,)]), 14))
+    for w in words:  # the count is still there to read
+        assert w & ((1 << 40) - 1) == 1000 and w >= 0
+
+
+def test_mismatch_message_names_every_rank_s_shape_when_shapes_differ():
+    h0 = guard.make_header(4, "allreduce", "sum", "float32", guard.count_word((10, 100), 1000), "native")
+    h1 = guard.make_header(4, "allreduce", "sum", "float32", guard.count_word((100, 10), 1000), "native")
+    headers = np.stack([h0, h1, h1])
+    assert guard.shapes_differ(headers) and not guard.shapes_differ(np.stack([h1, h1]))
+    msg = guard.mismatch_message(headers, _FakeGroup(), [(10, 100), (100, 10), (100, 10)])
+    assert "ranks 0 called allreduce(sum, float32, 1000 elements of shape (10, 100), native)" in msg
+    assert "ranks 1, 2 called allreduce(sum, float32, 1000 elements of shape (100, 10), native)" in msg
+    shapes = [guard.grouped_shape([(3, 2), (4,)]), guard.grouped_shape([(2, 3), (4,)])]
+    msg = guard.mismatch_message(np.stack([h0, h1]), _FakeGroup(), shapes)
+    assert "shapes [(3, 2), (4,)]" in msg and "shapes [(2, 3), (4,)]" in msg
+    assert "1000 elements of shape #" in guard.mismatch_message(np.stack([h0, h1]), _FakeGroup())

@@ -83,3 +83,99 @@ def test_an_mpi_error_names_the_way_out(monkeypatch):
 
     with pytest.raises(CommError, match="HPCTRAIN_RING_C=0"):
         mpiring.allreduce_(MPI.COMM_SELF, np.zeros(4, np.float32), F32, "sum", 1, np.empty(64, np.uint8))
+
+
+# --------------------------------------------------------------------------- with fake MPI functions
+class FakeMPI:
+    """MPI_Isend/Irecv/Wait/Cancel as ctypes callbacks bound into the extension: each request
+    is a number; a receive is filled at once from ``incoming`` (what the left neighbour sends);
+    the ``fail_recv``-th receive fails with ``error``. Records what is posted and cancelled."""
+
+    def __init__(self, incoming=None, fail_recv=None, error=15):
+        import ctypes
+
+        self.ctypes = ctypes
+        self.incoming = incoming
+        self.fail_recv, self.error = fail_recv, error
+        self.posted, self.cancelled, self.recvs, self.next = {}, [], 0, 1
+        post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
+                                ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
+        self._fns = [post(self.isend), post(self.irecv),
+                     ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(self.wait),
+                     ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(self.cancel)]
+
+    def addresses(self):
+        return [self.ctypes.cast(f, self.ctypes.c_void_p).value for f in self._fns]
+
+    def _post(self, kind, req):
+        self.ctypes.c_uint64.from_address(req).value = self.next
+        self.posted[self.next] = kind
+        self.next += 1
+        return 0
+
+    def isend(self, buf, nbytes, dtype, dest, tag, comm, req):
+        return self._post("send", req)
+
+    def irecv(self, buf, nbytes, dtype, source, tag, comm, req):
+        self.recvs += 1
+        if self.recvs == self.fail_recv:
+            return self.error
+        if self.incoming is not None:
+            self.ctypes.memmove(buf, self.incoming.ctypes.data, min(nbytes, self.incoming.nbytes))
+        return self._post("recv", req)
+
+    def wait(self, req, status):
+        slot = self.ctypes.c_uint64.from_address(req)
+        assert slot.value in self.posted, f"wait on request {slot.value}, which is not posted"
+        del self.posted[slot.value]
+        slot.value = 0xDEAD  # as an MPI's non-zero MPI_REQUEST_NULL
+        return 0
+
+    def cancel(self, req):
+        self.cancelled.append(self.ctypes.c_uint64.from_address(req).value)
+        return 0
+
+
+@pytest.fixture
+def fake_mpi():
+    """Bind fakes; bind the real MPI functions again afterwards (the binding is global)."""
+    fakes = []
+
+    def bind(**kwargs):
+        fake = FakeMPI(**kwargs)
+        _mpiring.bind(*fake.addresses())
+        fakes.append(fake)
+        return fake
+
+    yield bind
+    mpiring._bound.clear()
+    assert mpiring._bind()
+
+
+def test_an_mpi_error_cancels_and_completes_every_posted_request(fake_mpi):
+    fake = fake_mpi(fail_recv=6)
+    x = np.zeros(3000, np.float32)
+    err = _mpiring.allreduce(1, 1, 0, 3, x, np.empty(4096, np.uint8), F32, 0, 3, 1024)
+    assert err == 15
+    assert fake.recvs == 6 and fake.cancelled  # it failed with requests in flight ...
+    assert fake.posted == {}  # ... and none is left posted (each cancelled, then waited)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_and_max_propagate_nan_whichever_operand_holds_it(fake_mpi, dtype, op):
+    # 2 ranks, rank 0: it reduces chunk 1 (the second half) from its own data and what the
+    # left neighbour sends; NaN on either side must give NaN, as np.minimum / np.maximum
+    mine = np.array([0, 0, 0, 0, np.nan, 1, np.nan, 2], dtype=dtype)
+    theirs = np.array([1, np.nan, np.nan, 3], dtype=dtype)
+    fake_mpi(incoming=theirs)
+    x = mine.copy()
+    code, kernel = shmsync_op(op)
+    assert _mpiring.allreduce(1, 1, 0, 2, x, np.empty(4096, np.uint8), DTYPE_CODES[dtype], code, 2, 1024) == 0
+    np.testing.assert_array_equal(x[4:], kernel(mine[4:], theirs))
+
+
+def shmsync_op(op):
+    from hpctrain.comm.shmsync import OP_CODES
+
+    return OP_CODES[op], {"min": np.minimum, "max": np.maximum}[op]

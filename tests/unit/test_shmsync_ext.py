@@ -20,7 +20,7 @@ SLOT = 4096
 
 def regions(n):
     mem = [np.zeros(_shmsync.REGION_HEADER_BYTES + 2 * SLOT, dtype=np.uint8) for _ in range(n)]
-    return mem, [m.ctypes.data for m in mem]
+    return mem, mem  # the regions are handed over as buffers
 
 
 def peer_posts(mem, seq, data=None, header=None):
@@ -134,7 +134,7 @@ def test_reduce_to_all_writes_the_rank_order_reduction_into_every_slot(dtype, op
     if op == "avg":
         expected = (np.trunc(expected / 3) if np.dtype(dtype).kind == "i" else expected / np.dtype(dtype).type(3))
     heads = [s[:3].copy() for s in slots]
-    where = [p.ctypes.data for p in part]
+    where = part
     shmsync.reduce_to_all(where, where, count, DTYPE_CODES[dtype], op, 3, streaming)
     for s, head in zip(slots, heads):
         np.testing.assert_array_equal(s[3:], expected.astype(dtype))
@@ -148,7 +148,7 @@ def run_ranks(n, slot, body):
     import threading
 
     mem = [np.zeros(_shmsync.REGION_HEADER_BYTES + 2 * slot, dtype=np.uint8) for _ in range(n)]
-    addrs = [m.ctypes.data for m in mem]
+    addrs = mem
     ctxs = [_shmsync.Ctx(addrs, q, slot, 1 << 10) for q in range(n)]
     results, errors = [None] * n, []
 
@@ -294,3 +294,97 @@ def test_piped_allreduce_of_a_list_refuses_a_read_only_or_ragged_buffer():
     with pytest.raises(ValueError, match="whole number"):
         ctx.allreduce_piped([np.ones(5, np.uint8)], DTYPE_CODES["float32"], 0, 2, None, 1.0, 1024)
     assert ctx.seq == 0
+
+
+# --------------------------------------------------------------------------- buffers, bounds, NaN
+def test_an_uninitialised_context_raises_instead_of_reading_null():
+    ctx = _shmsync.Ctx.__new__(_shmsync.Ctx)
+    calls = [lambda: ctx.exchange(None, None, 0, 0, 1.0),
+             lambda: ctx.allreduce_piped(np.ones(4, np.float32), DTYPE_CODES["float32"], 0, 1, None, 1.0, 1024),
+             lambda: ctx.headers(np.empty((1, 8), np.int64)), ctx.missing, lambda: ctx.seq]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="not initialised"):
+            call()
+    with pytest.raises(ValueError, match="holds 16 bytes"):  # a failed __init__ leaves it unusable too
+        ctx.__init__([np.zeros(16, np.uint8)], 0, SLOT, 0)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ctx.missing()
+
+
+def test_regions_are_buffers_checked_against_the_slot_size():
+    mem, _ = regions(2)
+    with pytest.raises(TypeError):  # raw integer addresses are no longer taken
+        _shmsync.Ctx([m.ctypes.data for m in mem], 0, SLOT, 0)
+    with pytest.raises(ValueError, match="buffer 1 holds"):
+        _shmsync.Ctx([mem[0], mem[1][:-1]], 0, SLOT, 0)
+    frozen = mem[1].copy()
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        _shmsync.Ctx([mem[0], frozen], 0, SLOT, 0)
+    assert _shmsync.Ctx(mem, 1, SLOT, 0).seq == 0
+
+
+def test_reduce_to_all_checks_every_bound_and_overlap():
+    a, b = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    f32, total = DTYPE_CODES["float32"], shmsync.OP_CODES["sum"]
+    with pytest.raises(ValueError, match="buffer 1 holds 252 bytes, 256 needed"):
+        _shmsync.reduce_to_all([a], [a, b[1:]], 64, f32, total, 2, False)
+    with pytest.raises(TypeError):
+        _shmsync.reduce_to_all([a.ctypes.data], [a], 64, f32, total, 2, False)
+    with pytest.raises(ValueError, match="destinations overlap"):
+        _shmsync.reduce_to_all([a[:32], a[16:48]], [b], 32, f32, total, 1, False)
+    with pytest.raises(ValueError, match="partly overlaps a source"):
+        _shmsync.reduce_to_all([a[:32]], [a[8:40]], 32, f32, total, 1, False)
+    with pytest.raises(ValueError, match="at least one source"):
+        _shmsync.reduce_to_all([a], [], 64, f32, total, 1, False)
+    ro = b.copy()
+    ro.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        _shmsync.reduce_to_all([ro], [a], 64, f32, total, 1, False)
+    a[:], b[:] = 1, 2
+    _shmsync.reduce_to_all([a, b], [a, b], 64, f32, total, 2, False)  # in place: every slot its own source
+    np.testing.assert_array_equal(a, np.full(64, 3))
+    np.testing.assert_array_equal(b, np.full(64, 3))
+
+
+NAN_CASES = [np.array(v, dtype=np.float64) for v in (
+    [np.nan, 1.0, np.nan, 2.0, 0.0], [1.0, np.nan, np.nan, 3.0, -0.5], [0.5, 0.5, 7.0, np.nan, 9.0])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_max_propagate_nan_on_every_kernel_as_numpy(dtype, op):
+    """A NaN on any rank, in any operand position, gives NaN: the flag exchange, the one-pass
+    slice kernel and the piped all-reduce agree with np.minimum / np.maximum."""
+    kernel = {"min": np.minimum, "max": np.maximum}[op]
+    data = [c.astype(dtype) for c in NAN_CASES]
+    expected = kernel(kernel(data[0], data[1]), data[2])
+    code, opc = DTYPE_CODES[dtype], shmsync.OP_CODES[op]
+    mem, addrs = regions(3)
+    ctx = _shmsync.Ctx(addrs, 1, SLOT, 0)
+    for q in (0, 2):
+        peer_posts(mem[q], 1, data[q])
+    mine = data[1].copy()
+    assert ctx.exchange(None, mine, code, opc, 1.0) == shmsync.ST_OK
+    np.testing.assert_array_equal(mine, expected)
+    slots = [d.copy() for d in data]
+    shmsync.reduce_to_all(slots, slots, len(expected), code, op, 3, False)
+    for s in slots:
+        np.testing.assert_array_equal(s, expected)
+
+    def body(c, q):
+        x = np.tile(data[q], 300)
+        assert c.allreduce_piped(x, code, opc, 3, None, 10.0, 1024) == shmsync.ST_OK
+        return x
+
+    for x in run_ranks(3, SLOT, body):
+        np.testing.assert_array_equal(x, np.tile(expected, 300))
+
+
+def test_every_extension_is_built_with_wrapping_signed_overflow():
+    import re
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    extensions = re.findall(r"Extension\((.*?)optional=True\)", setup, re.S)
+    assert len(extensions) >= 3 and all('"-fwrapv"' in e for e in extensions)
