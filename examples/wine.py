@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def main() -> int:
     args = ap.parse_args()
     make_data()
     run_dir = ROOT / "runs" / "wine"
+    shutil.rmtree(run_dir, ignore_errors=True)   # the example's own folder: each run starts fresh
     subprocess.run([*hpctrain(), "launch", "-n", str(args.ranks), "--", *hpctrain(), "train",
                     str(HERE / "wine.yaml"), "--set", f"run_dir={run_dir}"], check=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
