@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build Horovod 0.28.1 (CPU, PyTorch, MPI + Gloo) into a venv as a benchmark peer.
 # Not part of hpctrain's install: Horovod's last release predates PyTorch 2.1 and needs the
-# tricks below (see ../shared/HOROVOD-FACTS.md). About 2.5 minutes on 2 cores.
+# tricks below. About 2.5 minutes on 2 cores.
 #   benchmarks/build_horovod.sh [VENV]      (default: .venv)
 set -euo pipefail
 VENV=${1:-.venv}

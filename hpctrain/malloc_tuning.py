@@ -2,7 +2,7 @@
 
 Each step frees and re-allocates tens of MB of activations and gradients. With glibc's
 defaults, blocks above the (dynamic) mmap threshold are unmapped on free and faulted in again
-on the next step: ~2 µs per 4 KiB page, ~20 ms per step for 10,000 faults (PERF-FACTS.md).
+on the next step: ~2 µs per 4 KiB page, ~20 ms per step for 10,000 faults.
 Raising MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ keeps them in the heap.
 
 hpctrain sets both (to 4 GiB) for its own commands and for what `hpctrain launch` starts —

@@ -25,8 +25,8 @@ Columns (per row: the median over repeats of each repeat's median step of the sl
 - faults: minor page faults per step (glibc malloc returning memory; ~2 us each).
 
 ``hpctrain`` uses the default settings; ``hpctrain-overlap`` forces overlap during backward,
-``hpctrain-sync`` starts every bucket in ``step()``. The closing lines give the ratios the
-targets of issues #3 and #10 are stated in.
+``hpctrain-sync`` starts every bucket in ``step()``. The closing lines give the ratios that
+matter when choosing hpctrain over its peers, each against the project's target for it.
 
   hpctrain launch -n 2 -- hpctrain bench train
   hpctrain launch -n 2 -- hpctrain bench train --models mlp --repeats 5 --json train.json
@@ -145,20 +145,20 @@ def summarize_repeats(repeats: Sequence[Dict[str, float]]) -> Dict[str, float]:
 
 
 TARGETS = (
-    # (label, numerator row, denominator row, kind, limit, issue)
-    ("hpctrain / DDP-Gloo step", ("hpctrain", "N"), ("ddp-gloo", "N"), "max", 0.65, "#10 (#3: <= 0.9)"),
-    ("hpctrain / Horovod step", ("hpctrain", "N"), ("horovod", "N"), "max", 0.55, "#10 (#3: <= 0.5)"),
-    ("hpctrain scaling efficiency", ("hpctrain", "N"), ("plain", 1), "scaling", 0.90, "#10"),
-    ("hpctrain 1-rank overhead", ("hpctrain", 1), ("plain", 1), "overhead", 0.03, "#3, #10"),
+    # (label, numerator row, denominator row, kind, limit)
+    ("hpctrain / DDP-Gloo step", ("hpctrain", "N"), ("ddp-gloo", "N"), "max", 0.65),
+    ("hpctrain / Horovod step", ("hpctrain", "N"), ("horovod", "N"), "max", 0.55),
+    ("hpctrain scaling efficiency", ("hpctrain", "N"), ("plain", 1), "scaling", 0.90),
+    ("hpctrain 1-rank overhead", ("hpctrain", 1), ("plain", 1), "overhead", 0.03),
 )
 
 
 def target_lines(records: Sequence[Dict[str, Any]], size: int) -> List[str]:
-    """The ratios the issues' targets are stated in, per model, with met / NOT met."""
+    """The ratios of :data:`TARGETS`, per model, with met / NOT met."""
     by = {(r["model"], r["competitor"], r["ranks"]): r for r in records}
     lines = []
     for model in dict.fromkeys(r["model"] for r in records):
-        for label, (num_c, num_n), (den_c, den_n), kind, limit, issue in TARGETS:
+        for label, (num_c, num_n), (den_c, den_n), kind, limit in TARGETS:
             num_n = size if num_n == "N" else num_n
             den_n = size if den_n == "N" else den_n
             if (kind in ("max", "scaling") and size == 1) or (model, num_c, num_n) not in by \
@@ -178,7 +178,7 @@ def target_lines(records: Sequence[Dict[str, Any]], size: int) -> List[str]:
                 value = num["step_s"] / den["step_s"] - 1.0
                 ok, text, want = value <= limit, f"{value * 100:+.1f}%{cpu}", f"<= {limit * 100:.0f}%"
             where = f"{num_n} rank(s)" if num_n == den_n else f"{num_n} vs {den_n} rank(s)"
-            lines.append(f"  {model}: {label} ({where}) {text}  target {want} {issue}: "
+            lines.append(f"  {model}: {label} ({where}) {text}  target {want}: "
                          f"{'met' if ok else 'NOT met'}")
     return lines
 

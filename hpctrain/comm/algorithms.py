@@ -20,7 +20,7 @@ from . import mpiring, plan, shmsync
 from .buffers import finish_average, reduce_into
 from .watchdog import suffixed
 
-# Ring segments: ≥ 1 MiB, since each message costs ~15 µs of Python (PERF-FACTS.md).
+# Ring segments: ≥ 1 MiB, since each message of the Python ring costs ~15 µs of Python.
 RING_SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(1 << 20)))
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}

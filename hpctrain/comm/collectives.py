@@ -103,8 +103,8 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
     # the common case first, with as little Python as possible: auto, a numpy array, a
     # one-node group with flags, no override. Up to g.small_shm bytes that is one flag
     # exchange, made right here rather than through _small_allreduce_ (the same steps): at
-    # 1 KiB, 2 ranks, 0.91 µs a call against 1.30 µs through the helpers and 1.10 µs for a
-    # bare MPI_Allreduce (2026-12-01).
+    # 1 KiB the helpers' Python costs more than the exchange itself, and this path is what
+    # keeps small all-reduces ahead of a bare MPI_Allreduce (docs/performance.md).
     if type(g) is Group and algorithm == "auto" and type(x) is np.ndarray and _ENV_CHOICE["value"] == "auto":
         small = g.small_shm
         if small:

@@ -1,8 +1,8 @@
 """The ring all-reduce in C (the extension ``_mpiring``), over the MPI library mpi4py uses.
 
 The C ring does what :func:`hpctrain.comm.algorithms.ring_` does in Python, without ~10 µs
-of Python per step and with the all-gather's first step overlapping the last reduction
-(docs/performance.md, sixth session). It needs no MPI headers at build time: ``bind`` looks
+of Python per step and with the all-gather's first step overlapping the last reduction.
+It needs no MPI headers at build time: ``bind`` looks
 up ``MPI_Isend``, ``MPI_Irecv``, ``MPI_Wait`` and ``MPI_Cancel`` in the MPI library that
 mpi4py loaded and hands their addresses to the extension, which calls them with mpi4py's
 integer handles.
@@ -34,9 +34,11 @@ except ImportError:  # built with optional=True: no compiler, no extension
 
 log = logging.getLogger("hpctrain.comm")
 
-# Segments of the C ring, and how many are in flight into the scratch slots. Measured at
-# 2 ranks here (docs/performance.md): 512 KiB x 4 slots (2 MiB of scratch, in L2/L3) took the
-# 16 MiB ring from 0.9x to 1.3-1.5x MPI_Allreduce; 1 MiB segments 1.33x, 128 KiB 1.30x.
+# Segments of the C ring, and how many are in flight into the scratch slots: 512 KiB x 4
+# slots keeps the scratch (2 MiB) in L2/L3, which is what makes the large ring beat
+# MPI_Allreduce; segment sizes from 128 KiB to 1 MiB were within a few percent of each other
+# on the 2-core machine this was tuned on (re-tune with HPCTRAIN_RING_SEGMENT_BYTES and
+# `hpctrain bench allreduce`).
 SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(512 * 1024)))
 SLOTS = 4
 # HPCTRAIN_RING_C=0 on any rank keeps the whole communicator on the Python ring (it enters

@@ -211,20 +211,19 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 LARGE_RING_BYTES = 32 * 1024 * 1024
 # With the node's shared-memory flags, a private buffer larger than the flag exchange and
 # smaller than LARGE_RING_BYTES streams through the flag slots in cache-sized segments ("shm",
-# piped): the buffer read and written once, 1.1–2.3× MPI_Allreduce from 1 to 16 MiB at 2–4
-# ranks on some days. But at 2 ranks the winner flips with where the host places the vCPUs:
-# the same 16 MiB piped call ran 1.1–1.3× MPI in one placement and 0.26× in the other, minutes
-# apart (docs/performance.md). So these fixed choices are only the fall-back
+# piped): the buffer read and written once. Which of it and MPI_Allreduce wins depends on
+# where the host places the vCPUs (on the 2-core machine these thresholds were tuned on, the
+# same 16 MiB piped call ran faster than MPI in one placement and several times slower in the
+# other; docs/performance.md). So these fixed choices are only the fall-back
 # (HPCTRAIN_AUTOTUNE=0) and the first candidate tried: by default auto measures on one node
 # (tuning_candidates, hpctrain.comm.tuning).
 CROSS_NODE_SMALL_BYTES = 64 * 1024
 SHARED_SMALL_BYTES = 16 * 1024
 # From 1 MiB at 3 or more ranks the ring (in C) is a third candidate of the run-time choice:
-# in one run (2026-12-01, 3 ranks on 2 cores) it ran 1.35×, 1.71×, 1.65× MPI_Allreduce at
-# 1, 4, 16 MiB while the piped path and MPI_Allreduce, which auto chose between, reached
-# 1.14× and 1.18×; at 4 ranks 1.00×, 1.15×, 1.12×. At 2 ranks it moves what MPI_Allreduce
-# moves, through the same single-copy transport, and only ties it (0.80–1.02× at 1–4 MiB):
-# not worth the trials there.
+# there it leads both the piped path and MPI_Allreduce from 1 to 16 MiB (docs/performance.md).
+# At 2 ranks it moves what MPI_Allreduce moves, through the same single-copy transport
+# (Open MPI's CMA), and only ties it: not worth the trials there. Tuned on a 2-core machine;
+# `hpctrain bench allreduce` on yours shows where the ring leads.
 RING_CANDIDATE_BYTES = 1024 * 1024
 RING_CANDIDATE_RANKS = 3
 

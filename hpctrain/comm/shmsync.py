@@ -26,9 +26,9 @@ except ImportError:  # built with optional=True: no compiler, no extension
 # All-reduces up to this many bytes run as one flag exchange: every rank copies its data into
 # its slot and reduces all slots itself (one round trip, no second barrier). Above it they are
 # piped through the slots (``allreduce_piped``: each rank reduces only its part, two round trips
-# per segment). Measured on the 2-core dev machine (docs/performance.md): the exchange beats
-# MPI_Allreduce up to 256 KiB at 2–3 ranks; in full `bench allreduce` runs with a 16 KiB limit
-# the piped path lost to MPI at 64 KiB at 2 ranks (0.44–0.77×) where the exchange ran 1.3–1.8×.
+# per segment). Tuned on a 2-core machine: the exchange beats MPI_Allreduce up to 256 KiB at
+# 2–3 ranks, while the piped path loses to MPI at 64 KiB (docs/performance.md; re-tune with
+# HPCTRAIN_SHM_SMALL_BYTES and `hpctrain bench allreduce`).
 SMALL_ALLREDUCE_BYTES = 256 * 1024
 # Each local rank's two data slots: the staging of the piped path (one segment each).
 SLOT_BYTES = 256 * 1024
@@ -64,8 +64,8 @@ ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
 # memory traffic — but the result is not left in cache, which only pays beyond L3.
 STREAMING_BYTES = int(os.environ.get("HPCTRAIN_SHM_STREAMING_BYTES", str(48 << 20)))
 # Larger all-reduces on one node stream through the data slots in segments of up to this
-# size (capped by the slot; staging that stays in L2). Measured at 2 ranks here: 256 KiB
-# segments 1.5–1.6× MPI_Allreduce at 512 KiB–4 MiB, 128 KiB 1.3–1.5×; even at 16–64 MiB.
+# size (capped by the slot; staging that stays in L2): 256 KiB segments beat 128 KiB ones at
+# 2 ranks from 512 KiB to 64 MiB on the machine this was tuned on.
 PIPE_SEGMENT_BYTES = 256 * 1024
 _SPIN_ITERATIONS = 1 << 16  # pause-loop iterations before a waiting rank starts yielding
 

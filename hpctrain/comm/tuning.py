@@ -38,14 +38,14 @@ LEARNING_CALLS = 3 * TRIAL_CALLS + 1
 # A trial whose first call takes more than this × the best's estimate ends at once.
 ABANDON_RATIO = 2.0
 # A trial whose first believed call (its second) takes more than this × the best's estimate
-# ends there: at 4 MiB, 2 ranks, the piped path ran ~1.45× MPI_Allreduce's time, and its full
-# trials every ~70 calls cost auto ~3% (2026-12-01). A candidate cut by one noisy call
+# ends there: a candidate clearly slower than the best (the piped path at 4 MiB, 2 ranks) would
+# otherwise cost auto a few percent through its full trials. A candidate cut by one noisy call
 # (single calls vary ±20%) is tried again after the usual interval.
 CUT_RATIO = 1.25
 # The running best gives way only to a candidate estimated this much faster: two candidates
 # within the noise of each other (1 MiB, 2 ranks: the piped path and MPI_Allreduce) otherwise
-# trade places every few trials, and each switch costs a cold call (auto then ran 0.86–0.90×
-# MPI_Allreduce while both candidates ran 0.89–0.99×, 2026-12-01).
+# trade places every few trials, and each switch costs a cold call (auto then ran slower than
+# either candidate alone).
 SWITCH_MARGIN = 0.08
 WEIGHT = 0.3  # weight of the newest timing in the running candidate's estimate
 

@@ -21,7 +21,8 @@ Rules:
   never by size), so its members are always reduced together; the rest are planned by size.
 
 The layout is what lets a parameter's ``.grad`` be a view into its bucket (offset, numel): the
-buffer can come from any allocator — plain memory today, a shared-memory window later.
+buffer can come from any allocator: plain memory, or the node's shared-memory window
+(``optimizer.shared_window_allocator``).
 """
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ __all__ = [
     "describe_spec_mismatch",
 ]
 
-# Default fusion threshold: 4 MiB. Chosen from the all-reduce table in PERF-FACTS.md (2 ranks,
-# native in-place MPI_Allreduce): bus bandwidth peaks around 1 MiB (13.1 GB/s) and falls to
-# 6.9 GB/s at 16 MiB and 2.2 GB/s at 64 MiB, and the training-step measurement there shows one
-# fused 42 MB message *slower* (107 ms) than one message per gradient (83 ms). Horovod's 64 MiB
+# Default fusion threshold: 4 MiB, tuned on a 2-core machine (2 ranks, in-place
+# MPI_Allreduce): bus bandwidth peaks around 1 MiB and falls by half at 16 MiB and by a factor
+# of six at 64 MiB, and one fused 42 MB message made a training step slower than one message
+# per gradient. Re-tune on yours with `hpctrain bench train --fusion-threshold`. Horovod's 64 MiB
 # would therefore put every gradient of a 10M-parameter MLP in one slow message and start
 # communication only after the whole backward pass. 4 MiB keeps messages in the fast band,
 # still fuses the many small tensors (biases, norms) whose per-message cost is ~17 µs, and

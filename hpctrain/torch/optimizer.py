@@ -58,10 +58,9 @@ _PS_TAG = 7301  # point-to-point tag of parameter-server gradient messages
 
 def choose_overlap(usable_cores: int, node_cores: int, local_ranks: int, threads: int) -> bool:
     """Whether to all-reduce during backward: only when a core is free for the communication
-    thread. With 2 ranks on 2 cores (MLP 10.5M params, `hpctrain bench train`, shared
-    machine) overlap was never faster than starting every bucket in step(): +10% and +1.5%
-    step time in two runs, backward itself slowed by the thread competing for the same cores
-    (PERF-FACTS: each transfer is a copy done by a CPU). A rank bound to a subset of cores
+    thread. With 2 ranks on 2 cores (MLP 10.5M params, `hpctrain bench train`) overlap was
+    never faster than starting every bucket in step(): backward itself slowed by the thread
+    competing for the same cores (each transfer is a copy done by a CPU). A rank bound to a subset of cores
     needs more cores than its threads; an unbound rank shares the node with the other local
     ranks."""
     if usable_cores < node_cores:  # bound (taskset, --bind-to core, srun --cpu-bind)
@@ -93,8 +92,8 @@ def _default_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> 
 
 def shared_window_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Bucket buffers in the node's MPI shared window (``comm.shared_buffer``): gradients are
-    all-reduced where backward wrote them, with no copy in or out (PERF-FACTS: 2–3× MPI's own
-    all-reduce at 1–16 MiB). Collective: every rank allocates the same buckets in plan order."""
+    all-reduced where backward wrote them, with no copy in or out (2–3× MPI's own all-reduce
+    at 1–16 MiB on the 2-core machine of docs/performance.md). Collective: every rank allocates the same buckets in plan order."""
     buf = comm.shared_buffer(numel, str(dtype).replace("torch.", "")).tensor()
     buf.zero_()
     return buf
@@ -290,7 +289,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              and getattr(self._compression, "wire_dtype", None) is None)
         # Average as "pre-divide, then sum": the hook that moves a fresh gradient into its bucket
         # multiplies by 1/size on the way (one pass, the cost of the copy it replaces), so the
-        # all-reduce is a plain sum with no averaging pass over the result (PERF: a 21 MB pass
+        # all-reduce is a plain sum with no averaging pass over the result (it saves a 21 MB pass
         # per rank per step for the 10.5M-parameter MLP at 2 ranks). Floating buckets only
         # (integers would truncate), and not with compression or gradient_predivide_factor
         # (their own scaling applies). Decided from options every rank shares, so every rank

@@ -6,7 +6,7 @@
 #   tests/cluster/cluster.sh status              print the nodes; exit 0 when up, 3 when down
 #   tests/cluster/cluster.sh check               can this machine run it? exit 0, or print why
 #
-# Layout (see docs/multinode.md and ../shared/MULTINODE-FACTS.md):
+# Layout (see docs/multinode.md):
 #   - a hub namespace (hpct-hub) holding a bridge br0; the root namespace is never touched;
 #   - one namespace per node, node<i>, with eth0 = 10.99.0.<i>/24 whose veth peer is on br0;
 #   - /etc/netns/node<i>/hosts listing every node (bind-mounted over /etc/hosts by run-on-node);
