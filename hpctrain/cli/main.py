@@ -19,7 +19,7 @@ VERBS = {
     "bench": ("hpctrain.cli.bench", "benchmarks: allreduce, train, data, pipeline"),
     "probe": ("hpctrain.cli.probe", "show the hardware each rank sees; tune the batch size"),
     "data": ("hpctrain.cli.data", "HDF5 tools: pack, shard, inspect, verify, merge"),
-    "slurm": ("hpctrain.cli.slurm", "render and submit sbatch templates; status, logs, cancel of a job"),
+    "slurm": ("hpctrain.cli.slurm", "sbatch templates: render, submit; status, logs, cancel"),
     "train": ("hpctrain.cli.train", "train a model from a YAML config"),
     "report": ("hpctrain.cli.report", "plots and a summary of a run directory"),
     "export": ("hpctrain.cli.export", "write a run's trained model as a state_dict / TorchScript"),

@@ -15,9 +15,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, TextIO
+from typing import TYPE_CHECKING, List, Optional, TextIO
 
-from hpctrain.slurm.jobs import JobRef, JobRow
+if TYPE_CHECKING:  # pragma: no cover - imported when a verb runs (keeps `--help` light)
+    from hpctrain.slurm.jobs import JobRef, JobRow
 
 EXAMPLES = """examples:
   hpctrain slurm status
@@ -160,6 +161,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 try:
                     row = _pick_row(args.job, find_job(args.job))
                 except UnknownJobError:
+                    from hpctrain.slurm.jobs import JobRow
+
                     row = JobRow(job_id=row.job_id, state="COMPLETED", stdout=row.stdout, stderr=row.stderr)
     except KeyboardInterrupt:
         return 130
