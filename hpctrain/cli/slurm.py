@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 import sys
 from dataclasses import asdict
@@ -86,7 +87,7 @@ def option_parser(action: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("files")
     g.add_argument("--output", help="stdout file (%%j = job id, %%x = job name)")
     g.add_argument("--error", help="stderr file")
-    g.add_argument("--chdir", help="working directory of the job")
+    g.add_argument("--chdir", help="working directory of the job (submit: default the current folder)")
     g = p.add_argument_group("environment and launch")
     g.add_argument("--module", dest="modules", action="append", help="module to load (repeatable)")
     g.add_argument("--venv", default="auto",
@@ -205,6 +206,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides["output"] = str(job_dir / f"slurm-{pattern}.out")
     if ns.error is None:
         overrides["error"] = str(job_dir / f"slurm-{pattern}.err")
+    if ns.chdir is None:
+        # the folder submitted from, written into the script: a config's relative run_dir and
+        # the command's relative paths mean the same when the script is resubmitted from elsewhere
+        overrides["chdir"] = os.getcwd()
     spec = build_spec(args.template, ns, command, overrides)
     job_dir.mkdir(parents=True, exist_ok=True)
     script = job_dir / f"{_safe_name(spec.job_name)}.sbatch"

@@ -321,6 +321,18 @@ def test_cli_submit_dry_run(tmp_path, capsys):
     assert 'cmd=(echo "${SLURM_ARRAY_TASK_ID}")' in text
 
 
+def test_cli_submit_runs_the_job_in_the_folder_submitted_from(tmp_path, monkeypatch, capsys):
+    here = tmp_path / "project dir"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["slurm", "submit", "cpu-mpi", "--job-dir", "jobs", "--dry-run", "--", "true"]) == 0
+    text = (here / "jobs" / "hpctrain.sbatch").read_text()
+    assert f"#SBATCH --chdir={shlex.quote(str(here))}\n" in text
+    assert main(["slurm", "submit", "cpu-mpi", "--job-dir", "jobs2", "--chdir", "/scratch/x", "--dry-run",
+                 "--", "true"]) == 0
+    assert "#SBATCH --chdir=/scratch/x\n" in (here / "jobs2" / "hpctrain.sbatch").read_text()
+
+
 def test_cli_submit_run_dir_is_a_deprecated_alias_of_job_dir(tmp_path, capsys):
     job_dir = tmp_path / "jobs"
     assert main(["slurm", "submit", "cpu-mpi", "--run-dir", str(job_dir), "--dry-run", "--", "true"]) == 0
