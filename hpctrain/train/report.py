@@ -227,6 +227,57 @@ def _plot_rank_step_time(train: List[Dict[str, Any]], s: Dict[str, Any], path: P
     return _save(fig, path)
 
 
+def _plot_resources(train: List[Dict[str, Any]], s: Dict[str, Any], path: Path) -> Optional[Path]:
+    """Per-rank CPU utilisation and resident memory (and GPU utilisation and memory where
+    measured) from the background monitor's samples; None when the run has none."""
+    panels = [(f, label) for f, label in (("cpu_percent", "CPU %"), ("rss_mb", "RSS (MiB)"),
+                                          ("gpu_util", "GPU %"), ("gpu_mem_mb", "GPU memory (MiB)"))
+              if any(v >= 0 for rec in train for v in rec.get("rank_" + f, []))]
+    if not any(f == "cpu_percent" for f, _ in panels):
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 2.6 * len(panels)))
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0])
+    steps = [r["step"] for r in train]
+    for ax, (field, label) in zip(axes, panels):
+        for r in range(s["ranks"]):
+            series = [rec["rank_" + field][r] for rec in train if len(rec.get("rank_" + field, [])) > r]
+            ax.plot(steps[:len(series)], series, lw=1.5, label=f"rank {r}")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    axes[0].set_title("Resources per rank (background samples)")
+    axes[-1].set_xlabel("optimizer step")
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    return _save(fig, path)
+
+
+def _plot_confusion(evals: List[Dict[str, Any]], path: Path) -> Optional[Path]:
+    """The last evaluation's confusion matrix (``eval.metrics: [confusion_matrix]``)."""
+    last = next((e for e in reversed(evals) if e.get("test_confusion_matrix")), None)
+    if last is None:
+        return None
+    cm = last["test_confusion_matrix"]
+    n = len(cm)
+    fig, ax = _figure((1.2 + 0.5 * n, 1.0 + 0.5 * n))
+    image = ax.imshow(cm, cmap="Blues")
+    fig.colorbar(image, ax=ax, fraction=0.046)
+    top = max(max(row) for row in cm) or 1
+    for i in range(n):
+        for j in range(n):
+            ax.text(j, i, str(cm[i][j]), ha="center", va="center", fontsize=8,
+                    color="white" if cm[i][j] > top / 2 else "black")
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    ax.grid(False)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(f"Confusion matrix at step {last['step']}")
+    return _save(fig, path)
+
+
 def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]:
     """Write the PNGs and summary.txt; return ``{"summary": dict, "text": str, "files": [paths]}``.
 
@@ -255,6 +306,9 @@ def make_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Any]
         if s["per_rank"].get("step_time"):
             files.append(_plot_compute_comm(s, out / "compute_comm.png"))
             files.append(_plot_rank_step_time(train, s, out / "rank_step_time.png"))
+        for extra in (_plot_resources(train, s, out / "resources.png"), _plot_confusion(evals, out / "confusion.png")):
+            if extra is not None:
+                files.append(extra)
     text = render_summary(s, str(run_dir))
     (out / "summary.txt").write_text(text)
     files.append(out / "summary.txt")

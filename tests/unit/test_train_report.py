@@ -21,7 +21,7 @@ def canned_run(run_dir: Path, steps: int = 60, ranks: int = 3, slow_rank: int = 
         for r in range(ranks):
             busy = 0.010 * (1.6 if r == slow_rank else 1.0)
             comm = 0.017 - busy if r != slow_rank else 0.001
-            times.append([busy + comm, 0.001, 0.003, busy - 0.004, comm, 0.001, 300.0 + r])
+            times.append([busy + comm, 0.001, 0.003, busy - 0.004, comm, 0.001, 300.0 + r, 50.0 + r, -1.0, -1.0])
         rec = {"kind": "train", "step": s, "epoch": (s - 1) // 20, "loss": 2.3 * math.exp(-s / 15) + 0.05,
                "lr": 0.01, "samples": 96.0, "time": s * 0.02}
         rec.update({name: times[0][j] for j, name in enumerate(RANK_FIELDS)})
@@ -31,7 +31,8 @@ def canned_run(run_dir: Path, steps: int = 60, ranks: int = 3, slow_rank: int = 
         w.write(rec)
         if s % 20 == 0:
             w.write({"kind": "eval", "step": s, "epoch": (s - 1) // 20, "test_loss": 1.0 / s,
-                     "test_accuracy": 0.8 + s / 400, "test_samples": 301})
+                     "test_accuracy": 0.8 + s / 400, "test_samples": 301,
+                     "test_confusion_matrix": [[100, 3, 1], [2, 95, 4], [0, 6, 90]]})
     w.write({"kind": "event", "step": 30, "what": "straggler", "rank": slow_rank, "busy": 0.016, "median": 0.01,
              "slower_by": 0.6})
     w.write({"kind": "event", "step": 40, "what": "rebalance", "weights": [1.1, 1.1, 0.8], "batch_sizes": [35, 35, 26]})
@@ -44,7 +45,8 @@ def test_report_writes_readable_pngs_and_summary(tmp_path):
     canned_run(tmp_path)
     rep = make_report(tmp_path)
     names = sorted(Path(p).name for p in rep["files"])
-    assert names == ["compute_comm.png", "loss.png", "rank_step_time.png", "summary.txt", "throughput.png"]
+    assert names == ["compute_comm.png", "confusion.png", "loss.png", "rank_step_time.png", "resources.png",
+                     "summary.txt", "throughput.png"]
     for p in rep["files"]:
         data = Path(p).read_bytes()
         if p.endswith(".png"):
