@@ -90,23 +90,33 @@ def load_callbacks(specs: Sequence[str]) -> List[Callback]:
 
 
 class ProgressBar(Callback):
-    """tqdm bar on rank 0 (unless ``quiet``); evaluation results as one line."""
+    """tqdm bar on rank 0 (unless ``quiet``) when stderr is a terminal; in a job's log file
+    (not a terminal) one summary line every ``log_interval`` steps instead of a bar's
+    carriage returns; evaluation results as one line."""
 
     def __init__(self) -> None:
         self.bar: Any = None
+        self.lines = False
 
     def on_fit_start(self, loop: "TrainLoop") -> None:
         run = loop.run
-        if run.rank == 0 and not run.cfg.quiet:
-            from tqdm import tqdm
+        if run.rank != 0 or run.cfg.quiet:
+            return
+        if not sys.stderr.isatty():
+            self.lines = True
+            return
+        from tqdm import tqdm
 
-            self.bar = tqdm(total=run.plan.total_steps, initial=loop.state.step, unit="step", dynamic_ncols=True,
-                            mininterval=0.5, desc="train", file=sys.stderr)
+        self.bar = tqdm(total=run.plan.total_steps, initial=loop.state.step, unit="step", dynamic_ncols=True,
+                        mininterval=0.5, desc="train", file=sys.stderr)
 
     def on_step_end(self, loop: "TrainLoop") -> None:
+        st, total = loop.state, loop.run.plan.total_steps
+        if self.lines and (st.step % loop.run.cfg.log_interval == 0 or st.step == total):
+            log.info("step %d/%d epoch %d: loss %.4f, %.0f samples/s", st.step, total, st.epoch, st.last_loss,
+                     loop.last_rate())
         if self.bar is None:
             return
-        st, total = loop.state, loop.run.plan.total_steps
         self.bar.update(1)
         if st.step % loop.run.cfg.log_interval == 0 or st.step == total:
             self.bar.set_postfix(loss=f"{st.last_loss:.4f}", samples_s=f"{loop.last_rate():.0f}", epoch=st.epoch,
