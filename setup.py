@@ -24,6 +24,7 @@ setup(
         "mpi4py>=3.1",
         "torch>=2.1",
         "h5py>=3.7",
+        "hdf5plugin>=4.0",
         "psutil>=5.9",
         "tqdm>=4.60",
         "pyyaml>=6.0",

@@ -11,7 +11,7 @@ and the pack / shard / inspect / verify / merge tools. The only package importin
 See docs/data.md.
 """
 from hpctrain.data.errors import (
-    ChecksumError, ConfigError, CorruptFileError, DataError, DtypeError, EmptyDataError,
+    ChecksumError, ConfigError, CorruptFileError, DataError, DtypeError, EmptyDataError, FilterUnavailableError,
     LengthMismatchError, MissingFileError, MissingKeyError, NotHDF5Error, PermissionDeniedError,
     TooFewSamplesError,
 )
@@ -21,7 +21,7 @@ __all__ = [
     "HDF5Dataset", "HDF5Loader", "POLICIES", "RankPlan", "plan_epoch", "plan_all", "global_offsets",
     "DataError", "ConfigError", "MissingFileError", "NotHDF5Error", "CorruptFileError",
     "PermissionDeniedError", "MissingKeyError", "LengthMismatchError", "EmptyDataError",
-    "TooFewSamplesError", "DtypeError", "ChecksumError",
+    "TooFewSamplesError", "DtypeError", "ChecksumError", "FilterUnavailableError",
 ]
 
 

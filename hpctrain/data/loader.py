@@ -47,7 +47,7 @@ import torch
 
 from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
-    FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
+    FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, in_file, open_h5, read_error,
 )
 from hpctrain.data.chunked import ChunkedKey, chunked_dataset
 from hpctrain.data.mapped import CopyJob, MappedKey, gather_tasks, map_dataset, open_map, take_tasks
@@ -333,6 +333,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             if mm is not None:
                 self._mmaps[i] = mm
                 for key in self.keys:
+                    if not in_file(dsets[key], self.paths[i]):
+                        # Reached through an external link: its offsets are another file's.
+                        log.debug("data: %s[%s] read through HDF5 (in another file)", self.paths[i], key)
+                        continue
                     found[key], why = map_dataset(dsets[key], mm)
                     if found[key] is None and dsets[key].compression is not None:
                         found[key], why = chunked_dataset(dsets[key], mm)
@@ -482,7 +486,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 try:
                     _read_union(dsets[key], mine, out[key][pos:pos + rows])
                 except Exception as exc:  # damaged chunk, fletcher32 mismatch, ...
-                    raise read_error(exc, self.paths[fi], key) from exc
+                    raise read_error(exc, self.paths[fi], key, dsets[key]) from exc
             pos += rows
             j = k
 

@@ -27,8 +27,8 @@ import numpy as np
 
 from hpctrain.data.errors import ChecksumError, ConfigError, DataError, LengthMismatchError, TooFewSamplesError
 from hpctrain.data.h5files import (
-    CHECKSUM_ATTR, atomic_output, chunk_rows_of, creation_kwargs, dataset_names, get_dataset, json_attr,
-    open_h5, progress_bar, read_error, slabs,
+    CHECKSUM_ATTR, atomic_output, chunk_rows_of, copyable_attrs, creation_kwargs, dataset_names, get_dataset,
+    json_attr, layout_of, open_h5, progress_bar, read_error, slabs,
 )
 
 SHARD_ATTRS = ("shard_index", "num_shards", "shard_start", "shard_stop", "parent_num_samples",
@@ -41,18 +41,15 @@ def shard_ranges(n: int, num_shards: int) -> List[Tuple[int, int]]:
 
 
 def sample_keys(f: h5py.File, path: str, keys: Optional[Sequence[str]] = None) -> List[str]:
-    """The datasets that hold one entry per sample: given, the ``keys`` attribute, or all."""
+    """The datasets that hold one entry per sample: given, the ``keys`` attribute, or the
+    numeric datasets sharing the leading axis (dimension scales and coordinates excluded)."""
     if keys:
         return list(keys)
-    if "keys" in f.attrs:
-        try:
-            return list(json.loads(f.attrs["keys"]))
-        except (TypeError, ValueError):
-            pass
-    names = dataset_names(f)
-    if not names:
-        raise DataError("file holds no datasets", path=path)
-    return names
+    found = layout_of(f).sample_keys
+    if not found:
+        raise DataError("file holds no per-sample datasets", path=path,
+                        hint="name them with --keys (see `hpctrain data inspect FILE`)")
+    return found
 
 
 def _lengths(f: h5py.File, path: str, keys: Sequence[str]) -> int:
@@ -74,7 +71,7 @@ def parent_fingerprint(f: h5py.File, path: str, keys: Sequence[str], n: int, sum
             try:
                 h.update(np.ascontiguousarray(f[k][i]).tobytes())
             except Exception as exc:
-                raise read_error(exc, path, k) from exc
+                raise read_error(exc, path, k, f[k]) from exc
     return h.hexdigest()[:32]
 
 
@@ -128,7 +125,7 @@ def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str
         try:
             src.read_direct(buf, np.s_[lo + a:lo + b])
         except Exception as exc:
-            raise read_error(exc, path, src.name.lstrip("/")) from exc
+            raise read_error(exc, path, src.name.lstrip("/"), src) from exc
         dst[a:b] = buf
         h.update(memoryview(buf).cast("B"))
         if bar is not None:
@@ -138,7 +135,7 @@ def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str
 
 def _copy_whole(src: h5py.Dataset, dst_file: h5py.File, name: str) -> None:
     d = dst_file.create_dataset(name, data=src[()], **{k: v for k, v in creation_kwargs(src).items() if k != "dtype"})
-    d.attrs.update(dict(src.attrs))
+    d.attrs.update(copyable_attrs(src))
 
 
 def shard_name(src: str, index: int, num_shards: int) -> str:
@@ -186,11 +183,11 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
                         for k in keys:
                             s = f[k]
                             d = g.create_dataset(k, shape=(hi - lo,) + s.shape[1:], **creation_kwargs(s, hi - lo))
-                            d.attrs.update(dict(s.attrs))
+                            d.attrs.update(copyable_attrs(s))
                             d.attrs[CHECKSUM_ATTR] = _copy_rows(s, d, lo, hi, src, bar)
                         for name in others:
                             _copy_whole(f[name], g, name)
-                        g.attrs.update(dict(f.attrs))
+                        g.attrs.update(copyable_attrs(f))
                         g.attrs.update({
                             "num_samples": hi - lo, "shard_index": i, "num_shards": num_shards,
                             "shard_start": lo, "shard_stop": hi, "parent_num_samples": n,
@@ -268,7 +265,7 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
                     if parent_chunks.get(k):
                         kw["chunks"] = tuple(parent_chunks[k])
                     d = g.create_dataset(k, shape=(n,) + first[k].shape[1:], **kw)
-                    d.attrs.update(dict(first[k].attrs))
+                    d.attrs.update(copyable_attrs(first[k]))
                     h = hashlib.sha256()
                     pos = 0
                     for f, p, c in zip(files, ordered, counts):
@@ -283,7 +280,7 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
                     d.attrs[CHECKSUM_ATTR] = want or digest
                 for name in others:
                     _copy_whole(first[name], g, name)
-                g.attrs.update({a: v for a, v in first.attrs.items() if a not in SHARD_ATTRS})
+                g.attrs.update({a: v for a, v in copyable_attrs(first).items() if a not in SHARD_ATTRS})
                 g.attrs["num_samples"] = n
     finally:
         for f in files:
@@ -318,7 +315,7 @@ def _merge_rows(src: h5py.Dataset, dst: h5py.Dataset, pos: int, count: int, path
         try:
             src.read_direct(buf, np.s_[a:b])
         except Exception as exc:
-            raise read_error(exc, path, src.name.lstrip("/")) from exc
+            raise read_error(exc, path, src.name.lstrip("/"), src) from exc
         dst[pos + a:pos + b] = buf
         h.update(memoryview(buf).cast("B"))
         if bar is not None:
