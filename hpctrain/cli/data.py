@@ -60,6 +60,8 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument("--keys", help="comma-separated per-sample keys (default: the file's 'keys' attribute, else all)")
     p.add_argument("--only", metavar="I[,J,...]", help="write only these shard indices (0-based; ranges like 0-7 too)")
+    p.add_argument("--stratify", metavar="KEY", help="give every shard the same class proportions of this "
+                   "integer label key (per class, shard counts differ by at most one)")
     _add_quiet(p)
     p.set_defaults(data_func=run_shard)
 
@@ -132,7 +134,8 @@ def run_shard(args: argparse.Namespace) -> int:
 
     rank, size = _world()
     written = shard(args.input, args.num_shards, args.out, keys=_keys(args.keys), rank=rank, size=size,
-                    quiet=args.quiet or rank != 0, only=parse_indices(args.only) if args.only else None)
+                    quiet=args.quiet or rank != 0, only=parse_indices(args.only) if args.only else None,
+                    stratify=args.stratify)
     if size > 1:
         from hpctrain import comm
 

@@ -28,11 +28,13 @@ import numpy as np
 from hpctrain.data.errors import ChecksumError, ConfigError, DataError, LengthMismatchError, TooFewSamplesError
 from hpctrain.data.h5files import (
     CHECKSUM_ATTR, atomic_output, chunk_rows_of, copyable_attrs, creation_kwargs, dataset_names, get_dataset,
-    json_attr, layout_of, open_h5, progress_bar, read_error, slabs,
+    json_attr, layout_of,
+    open_h5, progress_bar, read_error, slabs,
 )
+from hpctrain.data.strata import runs_of, stratified_split
 
 SHARD_ATTRS = ("shard_index", "num_shards", "shard_start", "shard_stop", "parent_num_samples",
-               "parent_checksums", "parent_chunks", "parent_name", "parent_fingerprint")
+               "parent_checksums", "parent_chunks", "parent_name", "parent_fingerprint", "stratified_by")
 
 
 def shard_ranges(n: int, num_shards: int) -> List[Tuple[int, int]]:
@@ -113,9 +115,11 @@ def group_by_source(sources: Sequence[Tuple[str, Optional[Tuple[str, str, bool]]
     return groups
 
 
-def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str, bar=None) -> str:
-    """Copy rows [lo, hi) of ``src`` to ``dst[0:hi-lo]`` in chunk-aligned slabs; return sha256."""
-    h = hashlib.sha256()
+def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str, bar=None, *, pos: int = 0,
+               digest=None) -> str:
+    """Copy rows [lo, hi) of ``src`` to ``dst[pos:pos+hi-lo]`` in chunk-aligned slabs; return
+    the sha256 of the rows (fed into ``digest`` when given, to hash several runs as one)."""
+    h = digest if digest is not None else hashlib.sha256()
     row = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
     align = dst.chunks[0] if dst.chunks else 1
     buf = None
@@ -126,7 +130,7 @@ def _copy_rows(src: h5py.Dataset, dst: h5py.Dataset, lo: int, hi: int, path: str
             src.read_direct(buf, np.s_[lo + a:lo + b])
         except Exception as exc:
             raise read_error(exc, path, src.name.lstrip("/"), src) from exc
-        dst[a:b] = buf
+        dst[pos + a:pos + b] = buf
         h.update(memoryview(buf).cast("B"))
         if bar is not None:
             bar.update(buf.nbytes)
@@ -143,10 +147,13 @@ def shard_name(src: str, index: int, num_shards: int) -> str:
 
 
 def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[str]] = None,
-          rank: int = 0, size: int = 1, quiet: bool = False, only: Optional[Sequence[int]] = None) -> List[str]:
+          rank: int = 0, size: int = 1, quiet: bool = False, only: Optional[Sequence[int]] = None,
+          stratify: Optional[str] = None) -> List[str]:
     """Split ``src`` into ``num_shards`` files in ``out_dir``; rank r of size writes shards r, r+size, ...
     ``only``: write just these shard indices (e.g. one per task of a SLURM job array), still
-    divided among the ranks.
+    divided among the ranks. ``stratify``: a 1-D per-sample key (class labels); every shard
+    then holds the same class proportions (see :func:`hpctrain.data.strata.stratified_split`)
+    and its rows, in parent order, are no longer one contiguous range.
 
     Returns the paths this rank wrote.
     """
@@ -163,41 +170,79 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
         if n < num_shards:
             raise TooFewSamplesError(f"{n} samples cannot fill {num_shards} shards (each needs one)",
                                      path=src, key=keys[0], hint=f"use --num-shards <= {n}")
-        others = [name for name in dataset_names(f) if name not in keys]
         parent_sums = {k: f[k].attrs.get(CHECKSUM_ATTR) for k in keys}
         parent_sums = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in parent_sums.items() if v is not None}
-        parent_chunks = {k: list(f[k].chunks) if f[k].chunks else None for k in keys}
-        fingerprint = parent_fingerprint(f, src, keys, n, parent_sums)
-        ranges = shard_ranges(n, num_shards)
+        parent = {
+            "parent_num_samples": n, "parent_checksums": json_attr(parent_sums), "parent_name": Path(src).name,
+            "parent_chunks": json_attr({k: list(f[k].chunks) if f[k].chunks else None for k in keys}),
+            "parent_fingerprint": parent_fingerprint(f, src, keys, n, parent_sums),
+        }
+        rows = _shard_rows(f, src, keys, n, num_shards, stratify)
         os.makedirs(out_dir, exist_ok=True)
         wanted = sorted(set(only)) if only is not None else list(range(num_shards))
         mine = wanted[rank::size]
-        total = sum((ranges[i][1] - ranges[i][0]) * sum(f[k].dtype.itemsize *
-                    int(np.prod(f[k].shape[1:], dtype=np.int64)) for k in keys) for i in mine)
+        total = sum(_count(rows[i]) * sum(f[k].dtype.itemsize * int(np.prod(f[k].shape[1:], dtype=np.int64))
+                                          for k in keys) for i in mine)
         with progress_bar(total, f"shard {Path(src).name}", quiet) as bar:
             for i in mine:
-                lo, hi = ranges[i]
                 out = os.path.join(out_dir, shard_name(src, i, num_shards))
-                with atomic_output(out) as tmp:
-                    with h5py.File(tmp, "w") as g:
-                        for k in keys:
-                            s = f[k]
-                            d = g.create_dataset(k, shape=(hi - lo,) + s.shape[1:], **creation_kwargs(s, hi - lo))
-                            d.attrs.update(copyable_attrs(s))
-                            d.attrs[CHECKSUM_ATTR] = _copy_rows(s, d, lo, hi, src, bar)
-                        for name in others:
-                            _copy_whole(f[name], g, name)
-                        g.attrs.update(copyable_attrs(f))
-                        g.attrs.update({
-                            "num_samples": hi - lo, "shard_index": i, "num_shards": num_shards,
-                            "shard_start": lo, "shard_stop": hi, "parent_num_samples": n,
-                            "parent_checksums": json_attr(parent_sums), "parent_chunks": json_attr(parent_chunks),
-                            "parent_name": Path(src).name, "parent_fingerprint": fingerprint,
-                        })
-                        if "keys" not in g.attrs:
-                            g.attrs["keys"] = json_attr(keys)
+                attrs = dict(parent, shard_index=i, num_shards=num_shards)
+                if stratify:
+                    attrs["stratified_by"] = stratify
+                else:
+                    attrs.update(shard_start=rows[i][0], shard_stop=rows[i][1])
+                _write_shard(f, src, out, keys, rows[i], attrs, bar)
                 written.append(out)
     return written
+
+
+def _count(rows) -> int:
+    return int(rows[1] - rows[0]) if isinstance(rows, tuple) else int(len(rows))
+
+
+def _shard_rows(f: h5py.File, path: str, keys: Sequence[str], n: int, num_shards: int,
+                stratify: Optional[str]) -> List[Any]:
+    """Each shard's rows: a ``(start, stop)`` range, or (stratified) an ascending index array."""
+    if not stratify:
+        return shard_ranges(n, num_shards)
+    if stratify not in keys:
+        raise ConfigError(f"--stratify {stratify!r} is not one of the per-sample keys ({', '.join(keys)})",
+                          hint="pass the label key, e.g. --stratify y (see `hpctrain data inspect FILE`)")
+    labels = get_dataset(f, stratify, path)
+    if labels.ndim != 1 or labels.dtype.kind not in "biu":
+        raise ConfigError(f"--stratify {stratify!r}: expected one integer class label per sample, got shape "
+                          f"{labels.shape} dtype {labels.dtype}", path=path, key=stratify,
+                          hint="stratify by an integer label key of shape (N,)")
+    try:
+        values = labels[()]
+    except Exception as exc:
+        raise read_error(exc, path, stratify, labels) from exc
+    return stratified_split(values, num_shards)
+
+
+def _write_shard(f: h5py.File, src: str, out: str, keys: Sequence[str], rows, attrs: Dict[str, Any], bar) -> None:
+    """One shard file: the ``rows`` of each sample key, the other datasets whole, attributes."""
+    count = _count(rows)
+    runs = [rows] if isinstance(rows, tuple) else runs_of(rows)
+    with atomic_output(out) as tmp:
+        with h5py.File(tmp, "w") as g:
+            for k in keys:
+                s = f[k]
+                d = g.create_dataset(k, shape=(count,) + s.shape[1:], **creation_kwargs(s, count))
+                d.attrs.update(copyable_attrs(s))
+                h = hashlib.sha256()
+                pos = 0
+                for lo, hi in runs:
+                    _copy_rows(s, d, lo, hi, src, bar, pos=pos, digest=h)
+                    pos += hi - lo
+                d.attrs[CHECKSUM_ATTR] = h.hexdigest()
+            for name in dataset_names(f):
+                if name not in keys:
+                    _copy_whole(f[name], g, name)
+            g.attrs.update(copyable_attrs(f))
+            g.attrs.update(dict(attrs, num_samples=count))
+            if "keys" not in g.attrs:
+                g.attrs["keys"] = json_attr(list(keys))
 
 
 def _attr_json(f: h5py.File, name: str, default):
@@ -247,6 +292,7 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
     if not paths:
         raise ConfigError("no shards to merge")
     check_one_parent(paths)
+    _refuse_stratified(paths)
     ordered = [p for p, _ in order_shards(paths)]
     files = [open_h5(p) for p in ordered]
     try:
@@ -286,6 +332,21 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
         for f in files:
             f.close()
     return out
+
+
+def _refuse_stratified(paths: Sequence[str]) -> None:
+    for p in paths:
+        with open_h5(p) as f:
+            by = f.attrs.get("stratified_by")
+        if by is not None:
+            raise DataError(f"is a stratified shard (rows picked by class of {_text(by)!r}, not one range of "
+                            "the parent): concatenating such shards does not restore the parent", path=p,
+                            hint="train on the shards as they are, or keep the parent; shard without "
+                                 "--stratify to be able to merge")
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _check_alike(files: Sequence[h5py.File], paths: Sequence[str], keys: Sequence[str]) -> List[int]:

@@ -170,6 +170,9 @@ def _shard_entry(attrs, lengths: Dict[str, Any], problems: List[str], notes: Lis
     if not recorded:
         notes.append("source not recorded (no parent_fingerprint attribute): shards of different parents "
                      "are told apart only by the parent's sample count and checksums")
+    if "stratified_by" in entry:
+        notes.append(f"stratified by {entry['stratified_by']!r}: rows picked by class, not one range of the parent")
+        return entry
     try:
         i, total, n = int(entry["shard_index"]), int(entry["num_shards"]), int(entry["parent_num_samples"])
         start, stop = int(entry["shard_start"]), int(entry["shard_stop"])
