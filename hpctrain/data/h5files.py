@@ -60,14 +60,16 @@ def open_h5(path: PathLike, mode: str = "r", **kwargs) -> h5py.File:
         raise PermissionDeniedError(f"permission denied ({exc.strerror or exc})", path=p,
                                     hint="check the file's and directory's permissions") from exc
     except FileNotFoundError as exc:
-        raise MissingFileError("no such file", path=p) from exc
+        raise MissingFileError("no such file", path=p,
+                               hint="check the path (and the working directory on every node)") from exc
     except OSError as exc:
         text = str(exc)
         if "signature" in text.lower() or "not an hdf5" in text.lower():
             raise NotHDF5Error("not an HDF5 file (no HDF5 signature found)", path=p,
                                hint="convert it first, e.g. `hpctrain data pack` for .npy/.npz/CSV") from exc
         if "ermission" in text:
-            raise PermissionDeniedError(f"permission denied ({text})", path=p) from exc
+            raise PermissionDeniedError(f"permission denied ({text})", path=p,
+                                        hint="check the file's and directory's permissions") from exc
         raise CorruptFileError(f"HDF5 could not open it: truncated or damaged ({text})", path=p,
                                hint="re-create or re-copy the file; `hpctrain data verify` checks files") from exc
 
@@ -137,7 +139,8 @@ def get_dataset(f: h5py.File, key: str, path: str) -> h5py.Dataset:
     try:
         obj = f.get(key)
     except (OSError, KeyError, RuntimeError) as exc:
-        raise CorruptFileError(f"cannot read key: {exc}", path=path, key=key) from exc
+        raise CorruptFileError(f"cannot read key: {exc}", path=path, key=key,
+                               hint="run `hpctrain data verify` on the file; re-copy it if it is damaged") from exc
     if obj is None or not isinstance(obj, h5py.Dataset):
         found = dataset_names(f)
         what = "no such key" if obj is None else "is a group, not a dataset"
@@ -148,7 +151,8 @@ def get_dataset(f: h5py.File, key: str, path: str) -> h5py.Dataset:
                          path=path, key=key, hint="store strings/labels as integer codes")
     if obj.ndim == 0:
         raise LengthMismatchError("is a scalar; expected an array with samples along axis 0",
-                                  path=path, key=key)
+                                  path=path, key=key,
+                                  hint="store samples along axis 0 (shape (N, ...)), or leave this dataset out of the keys")
     return obj
 
 
@@ -340,7 +344,8 @@ def check_compatible(infos: Sequence[FileInfo], keys: Sequence[str]) -> None:
                 raise LengthMismatchError(
                     f"sample shape {b.shape[1:]} dtype {b.dtype} differs from {first.path}'s "
                     f"{a.shape[1:]} {a.dtype}; expected the same in every file",
-                    path=info.path, key=key)
+                    path=info.path, key=key,
+                    hint="every file must hold the same per-sample shape and dtype; re-pack the odd one")
 
 
 @contextlib.contextmanager
@@ -356,7 +361,8 @@ def atomic_output(path: PathLike) -> Iterator[str]:
         raise MissingFileError("output directory does not exist", path=str(directory),
                                hint=f"mkdir -p {directory}")
     if not os.access(directory, os.W_OK):
-        raise PermissionDeniedError("output directory is not writable", path=str(directory))
+        raise PermissionDeniedError("output directory is not writable", path=str(directory),
+                                    hint="choose a writable directory, or fix its permissions")
     tmp = directory / f".{final.name}.tmp-{os.getpid()}"
     try:
         yield str(tmp)
@@ -465,15 +471,18 @@ def expand_paths(paths: PathsArg) -> List[str]:
             found = sorted(os.path.join(p, n) for n in os.listdir(p)
                            if n.endswith(H5_SUFFIXES) and not n.startswith("."))
             if not found:
-                raise DataError("directory holds no HDF5 files (*.h5, *.hdf5)", path=p)
+                raise DataError("directory holds no HDF5 files (*.h5, *.hdf5)", path=p,
+                                hint="pass the files themselves, or a directory holding *.h5/*.hdf5 files")
             out.extend(found)
         elif any(c in p for c in "*?[") and not os.path.exists(p):
             found = sorted(glob.glob(p))
             if not found:
-                raise DataError("pattern matches no file", path=p)
+                raise DataError("pattern matches no file", path=p,
+                                hint="check the pattern (quote it so the shell does not expand it)")
             out.extend(found)
         else:
             out.append(p)
     if not out:
-        raise ConfigError("no input files given")
+        raise ConfigError("no input files given",
+                          hint="pass HDF5 files, a directory of them, or a glob such as 'shards/*.h5'")
     return out

@@ -41,9 +41,10 @@ class PackResult:
 
 def _check_readable(path: str) -> None:
     if not os.path.exists(path):
-        raise MissingFileError("no such file", path=path)
+        raise MissingFileError("no such file", path=path, hint="check the path")
     if not os.access(path, os.R_OK):
-        raise PermissionDeniedError("permission denied: this user may not read the file", path=path)
+        raise PermissionDeniedError("permission denied: this user may not read the file", path=path,
+                                    hint="chmod a+r the file (or run as its owner)")
 
 
 def load_digits_arrays() -> Dict[str, np.ndarray]:
@@ -70,7 +71,8 @@ def load_npz(path: str) -> Dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError) as exc:
-        raise DataError(f"cannot read as .npz: {exc}", path=path) from exc
+        raise DataError(f"cannot read as .npz: {exc}", path=path,
+                        hint="is it a numpy .npz file? (object arrays are not supported)") from exc
 
 
 def load_csv(path: str, label_column: Optional[str] = None, dtype: str = "float32") -> Dict[str, np.ndarray]:
@@ -83,7 +85,8 @@ def load_csv(path: str, label_column: Optional[str] = None, dtype: str = "float3
     with open(path, newline="") as fh:
         rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
     if not rows:
-        raise EmptyDataError("CSV file has no rows", path=path)
+        raise EmptyDataError("CSV file has no rows", path=path,
+                             hint="check the file; a CSV needs at least one row of numbers")
 
     def numeric(row: List[str]) -> bool:
         try:
@@ -99,7 +102,8 @@ def load_csv(path: str, label_column: Optional[str] = None, dtype: str = "float3
     for i, row in enumerate(body):
         line = i + (2 if header else 1)
         if len(row) != width:
-            raise LengthMismatchError(f"line {line} has {len(row)} columns; expected {width}", path=path)
+            raise LengthMismatchError(f"line {line} has {len(row)} columns; expected {width}", path=path,
+                                      hint="every row needs the same number of columns")
         try:
             values[i] = [float(c) for c in row]
         except ValueError as exc:
@@ -113,7 +117,7 @@ def load_csv(path: str, label_column: Optional[str] = None, dtype: str = "float3
             label = int(label_column) % width
         else:
             raise ConfigError(f"label column {label_column!r} not found; columns: {header or list(range(width))}",
-                              path=path)
+                              path=path, hint="pass --label-column with a header name or a 0-based column number")
     out: Dict[str, np.ndarray] = {}
     if label is None:
         out["x"] = values.astype(dtype)

@@ -158,11 +158,12 @@ def shard(src: str, num_shards: int, out_dir: str, *, keys: Optional[Sequence[st
     Returns the paths this rank wrote.
     """
     if num_shards < 1:
-        raise ConfigError(f"--num-shards must be at least 1, got {num_shards}")
+        raise ConfigError(f"--num-shards must be at least 1, got {num_shards}", hint="use --num-shards 1 or more")
     if only is not None:
         bad = [i for i in only if not 0 <= i < num_shards]
         if bad:
-            raise ConfigError(f"--only {bad[0]}: shard indices run from 0 to {num_shards - 1} (--num-shards {num_shards})")
+            raise ConfigError(f"--only {bad[0]}: shard indices run from 0 to {num_shards - 1} (--num-shards {num_shards})",
+                              hint="pass indices from 0 to num_shards - 1")
     written: List[str] = []
     with open_h5(src) as f:
         keys = sample_keys(f, src, keys)
@@ -290,7 +291,7 @@ def check_one_parent(paths: Sequence[str]) -> None:
 def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = None, quiet: bool = False) -> str:
     """Concatenate shards (in shard order) into ``out``; check against the parent checksums."""
     if not paths:
-        raise ConfigError("no shards to merge")
+        raise ConfigError("no shards to merge", hint="pass the shard files (or their directory)")
     check_one_parent(paths)
     _refuse_stratified(paths)
     ordered = [p for p, _ in order_shards(paths)]
@@ -359,7 +360,8 @@ def _check_alike(files: Sequence[h5py.File], paths: Sequence[str], keys: Sequenc
             a, b = first[k], get_dataset(f, k, p)
             if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
                 raise LengthMismatchError(f"sample shape {b.shape[1:]} dtype {b.dtype} differs from "
-                                          f"{paths[0]}'s {a.shape[1:]} {a.dtype}", path=p, key=k)
+                                          f"{paths[0]}'s {a.shape[1:]} {a.dtype}", path=p, key=k,
+                                          hint="pass shards of one `hpctrain data shard` run only")
     parent_n = first.attrs.get("parent_num_samples")
     if parent_n is not None and int(parent_n) != sum(counts):
         raise LengthMismatchError(f"the shards hold {sum(counts)} samples, their parent had {int(parent_n)}",
