@@ -54,6 +54,13 @@ def sample_keys(f: h5py.File, path: str, keys: Optional[Sequence[str]] = None) -
     return found
 
 
+def other_datasets(f: h5py.File, keys: Sequence[str]) -> List[str]:
+    """Datasets that are not sample keys, nor the same object as one under another name (a
+    key given as a soft link, e.g. NeXus's ``entry/data/data`` -> the detector's data)."""
+    key_ids = {f[k].id for k in keys if isinstance(f.get(k), h5py.Dataset)}
+    return [n for n in dataset_names(f) if n not in keys and f[n].id not in key_ids]
+
+
 def _lengths(f: h5py.File, path: str, keys: Sequence[str]) -> int:
     lengths = {k: get_dataset(f, k, path).shape[0] for k in keys}
     if len(set(lengths.values())) > 1:
@@ -237,9 +244,8 @@ def _write_shard(f: h5py.File, src: str, out: str, keys: Sequence[str], rows, at
                     _copy_rows(s, d, lo, hi, src, bar, pos=pos, digest=h)
                     pos += hi - lo
                 d.attrs[CHECKSUM_ATTR] = h.hexdigest()
-            for name in dataset_names(f):
-                if name not in keys:
-                    _copy_whole(f[name], g, name)
+            for name in other_datasets(f, keys):
+                _copy_whole(f[name], g, name)
             g.attrs.update(copyable_attrs(f))
             g.attrs.update(dict(attrs, num_samples=count))
             if "keys" not in g.attrs:
@@ -304,7 +310,7 @@ def merge(paths: Sequence[str], out: str, *, keys: Optional[Sequence[str]] = Non
         parent_sums = _attr_json(first, "parent_checksums", {})
         parent_chunks = _attr_json(first, "parent_chunks", {})
         row_bytes = sum(first[k].dtype.itemsize * int(np.prod(first[k].shape[1:], dtype=np.int64)) for k in keys)
-        others = [name for name in dataset_names(first) if name not in keys]
+        others = other_datasets(first, keys)
         with atomic_output(out) as tmp, progress_bar(n * row_bytes, f"merge {Path(out).name}", quiet) as bar:
             with h5py.File(tmp, "w") as g:
                 for k in keys:

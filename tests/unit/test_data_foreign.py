@@ -152,6 +152,25 @@ def test_nexus_nested_groups_with_plugin_filters(tmp_path):
         assert f["entry/data/data"].shape == (168, 4, 8)
 
 
+def test_nexus_soft_linked_key(tmp_path):
+    """NeXus links NXdata's signal to the detector's data: the link's name is a key; its
+    target is not copied whole into every shard beside it."""
+    path = str(tmp_path / "linked.nxs")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("entry/instrument/detector/data", data=X, chunks=(16, 4, 8), **hdf5plugin.Zstd())
+        f["entry/data/data"] = h5py.SoftLink("/entry/instrument/detector/data")
+        f["entry/data/y"] = Y
+    keys = ["entry/data/data", "entry/data/y"]
+    assert verify_paths([path], keys=keys, quiet=True)["ok"]
+    written = shard(path, 2, str(tmp_path / "sh"), keys=keys, quiet=True)
+    with h5py.File(written[1], "r") as f:
+        assert "entry/instrument/detector/data" not in f
+        np.testing.assert_array_equal(f["entry/data/data"][()], X[252:])
+    got = load_all(written, keys)
+    np.testing.assert_array_equal(got["entry/data/data"], X)
+    np.testing.assert_array_equal(got["entry/data/y"], Y)
+
+
 def test_virtual_dataset_and_external_links(tmp_path):
     parts = [(0, 200), (200, 350), (350, N)]
     layout_x = h5py.VirtualLayout(shape=(N, 4, 8), dtype=np.float32)
