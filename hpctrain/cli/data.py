@@ -78,6 +78,8 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
                        epilog="example:\n  hpctrain data inspect shards/ --json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", metavar="PATH", help="files, directories or globs")
+    p.add_argument("--keys", help="comma-separated per-sample keys (default: the 'keys' attribute, else the "
+                   "numeric datasets sharing the leading axis; dimension scales are coordinates)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(data_func=run_inspect)
 
@@ -161,7 +163,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from hpctrain.data.h5files import expand_paths
     from hpctrain.data.verify import inspect_paths, render_inspect
 
-    report = inspect_paths(expand_paths(args.paths))
+    report = inspect_paths(expand_paths(args.paths), _keys(args.keys))
     print(json.dumps(report, indent=2, default=str) if args.json else render_inspect(report))
     return 1 if report["errors"] else 0
 

@@ -33,7 +33,7 @@ FORMAT_ATTR = "hpctrain_format"  # root attribute marking files written by hpctr
 CHECKSUM_ATTR = "sha256"  # dataset attribute: sha256 of the dataset's C-order bytes
 SLAB_BYTES = 64 << 20  # read/copy granularity of the tools
 NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex
-H5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
+H5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4", ".nxs")  # netCDF-4 and NeXus are HDF5
 
 
 def has_mpio() -> bool:
@@ -469,7 +469,8 @@ def expand_paths(paths: PathsArg) -> List[str]:
         p = os.fspath(item)
         if os.path.isdir(p):
             found = sorted(os.path.join(p, n) for n in os.listdir(p)
-                           if n.endswith(H5_SUFFIXES) and not n.startswith("."))
+                           if n.endswith(H5_SUFFIXES) and not n.startswith(".")
+                           and os.path.isfile(os.path.join(p, n)))
             if not found:
                 raise DataError("directory holds no HDF5 files (*.h5, *.hdf5)", path=p,
                                 hint="pass the files themselves, or a directory holding *.h5/*.hdf5 files")

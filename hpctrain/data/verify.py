@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import h5py
 import numpy as np
 
-from hpctrain.data.errors import DataError
+from hpctrain.data.errors import DataError, MissingKeyError
 from hpctrain.data.h5files import (
     CHECKSUM_ATTR, NUMERIC_KINDS, chunk_rows_of, dataset_names, filter_pipeline, layout_of, open_h5, progress_bar,
     read_error, slabs, unavailable_filters,
@@ -32,15 +32,19 @@ def _attr(value: Any) -> Any:
     return value
 
 
-def inspect_file(path: str) -> Dict[str, Any]:
+def inspect_file(path: str, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Keys, shapes, dtypes, chunks, filters, sample count and shard info of one file."""
     entry: Dict[str, Any] = {"path": path}
     try:
         entry["size_bytes"] = os.path.getsize(path) if os.path.exists(path) else None
         with open_h5(path) as f:
             names = dataset_names(f)
-            layout = layout_of(f)
+            layout = layout_of(f, keys)
             keys = layout.sample_keys
+            absent = [k for k in keys if not isinstance(f.get(k), h5py.Dataset)]
+            if absent:
+                raise MissingKeyError(f"no such dataset; datasets in the file: {', '.join(names) or '(none)'}",
+                                      path=path, key=absent[0], hint="pass keys that exist (nested paths as a/b/c)")
             entry["attrs"] = {k: _attr(v) for k, v in f.attrs.items()}
             entry["datasets"] = {}
             for name in names:
@@ -67,8 +71,8 @@ def inspect_file(path: str) -> Dict[str, Any]:
     return entry
 
 
-def inspect_paths(paths: Sequence[str]) -> Dict[str, Any]:
-    files = [inspect_file(p) for p in paths]
+def inspect_paths(paths: Sequence[str], keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    files = [inspect_file(p, keys) for p in paths]
     total = sum(f.get("num_samples") or 0 for f in files)
     return {"files": files, "num_files": len(files), "num_samples": total,
             "errors": sum(1 for f in files if "error" in f)}

@@ -13,7 +13,7 @@ import hdf5plugin
 import numpy as np
 import pytest
 
-from hpctrain.data.h5files import layout_of
+from hpctrain.data.h5files import expand_paths, layout_of
 from hpctrain.data.loader import HDF5Dataset
 from hpctrain.data.shard import merge, shard
 from hpctrain.data.verify import inspect_paths, render_inspect, render_verify, verify_paths
@@ -88,6 +88,12 @@ def test_netcdf4_coordinates_are_not_sample_keys(tmp_path):
                      "sample": "coordinate"}
     text = render_inspect(inspect_paths([path]))
     assert "samples: 503" in text and "coordinate" in text and "ERROR" not in text
+    named = inspect_paths([path], keys=["x"])["files"][0]
+    assert named["sample_keys"] == ["x"] and named["num_samples"] == N and named["datasets"]["y"]["role"] == "metadata"
+    assert "no such dataset" in inspect_paths([path], keys=["nope"])["files"][0]["error"]
+    # A directory of netCDF files is a list of inputs.
+    found = [os.path.basename(p) for p in expand_paths(str(tmp_path))]
+    assert found == ["climate.nc", "merged-climate.nc"]  # not the directory shards-climate.nc
     # The shards keep the coordinate variables whole (dimension bookkeeping references are
     # not copied: they would point into the parent).
     with h5py.File(tmp_path / "shards-climate.nc" / "climate-00001-of-00003.h5", "r") as f:
