@@ -4,8 +4,8 @@
 h5py holds the GIL and its own lock: a prefetch thread reading through HDF5 cannot decompress
 while another thread does. :class:`ChunkedKey` instead finds every chunk's file offset and
 stored size once (``H5Dchunk_iter``), reads the stored bytes with ``preadv`` and undoes the
-filters with :mod:`hpctrain.data.codecs` (lzf and shuffle in C, gzip in zlib, Blosc in
-blosc2, all without the GIL): one task per chunk, which the prefetch thread and a waiting consumer run together.
+filters with :mod:`hpctrain.data.codecs` (lzf and shuffle in C, gzip in zlib, all without the
+GIL): one task per chunk, which the prefetch thread and a waiting consumer run together.
 
 Only datasets whose chunks span whole rows, are all allocated and use supported filters are
 read this way (:func:`chunked_dataset` says why not otherwise); the result is checked against

@@ -7,12 +7,9 @@ sizes; ``os.preadv`` reads them) and hands them to :meth:`ChunkCodec.decode`, wh
 filter pipeline without holding the GIL for the byte work:
 
 * deflate/gzip (filter 1): CPython's :mod:`zlib`, which releases the GIL while inflating;
-* lzf (32000, h5py's own filter) and shuffle (2): the C extension ``hpctrain.data._codecs``;
-* blosc (32001, PyTables' and hdf5plugin's): ``blosc2.decompress`` when the ``blosc2``
-  package is installed (PyTables depends on it); C-Blosc2 reads Blosc1 chunks and releases
-  the GIL while decompressing.
+* lzf (32000, h5py's own filter) and shuffle (2): the C extension ``hpctrain.data._codecs``.
 
-Anything else (fletcher32, szip, nbit, scaleoffset, bitshuffle, zstd, ...) is not supported here:
+Anything else (fletcher32, szip, nbit, scaleoffset, blosc, ...) is not supported here:
 :func:`codec_for` says why and the caller reads such datasets through h5py.
 
 Usage::
@@ -25,8 +22,6 @@ Usage::
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import threading
 import zlib
@@ -42,15 +37,10 @@ try:
 except ImportError:  # optional extension: pip install succeeds without a C compiler
     _codecs = None
 
-# Optional: without it Blosc chunks are read through HDF5 (hdf5plugin's filter). Imported on
-# first use (it is slow to import); its presence is checked without importing it.
-_HAVE_BLOSC2 = importlib.util.find_spec("blosc2") is not None
-
 FILTER_DEFLATE = 1
 FILTER_SHUFFLE = 2
 FILTER_FLETCHER32 = 3
 FILTER_LZF = 32000
-FILTER_BLOSC = 32001
 
 #: Names of the filters one meets in practice, for messages (HDF5 reports a name too, but
 #: registered third-party filters that are not loaded report an empty one).
@@ -69,9 +59,8 @@ FILTER_NAMES = {
     32017: "sz",
 }
 
-_COMPRESSORS = (FILTER_DEFLATE, FILTER_LZF, FILTER_BLOSC)
+_COMPRESSORS = (FILTER_DEFLATE, FILTER_LZF)
 _SUPPORTED = (FILTER_SHUFFLE,) + _COMPRESSORS
-_BYTES_OUT = (FILTER_DEFLATE, FILTER_BLOSC)  # decoders that return a new bytes object
 _NEEDS_EXTENSION = (FILTER_SHUFFLE, FILTER_LZF)
 _EXTENSION_MISSING = "hpctrain.data._codecs not built"
 
@@ -102,8 +91,6 @@ def unsupported_reason(filters: Sequence[Filter], have_extension: bool) -> str:
     for f in filters:
         if f.code not in _SUPPORTED:
             return f"filter {f.label} is not supported"
-        if f.code == FILTER_BLOSC and not _HAVE_BLOSC2:
-            return f"filter {f.label} needs the blosc2 package here (pip install blosc2)"
     compressors = [i for i, f in enumerate(filters) if f.code in _COMPRESSORS]
     if len(compressors) > 1:
         return "more than one compression filter (" + ", ".join(filters[i].label for i in compressors) + ")"
@@ -191,13 +178,13 @@ class ChunkCodec:
             return
         # Steps that write into a buffer (lzf, unshuffle) cannot work in place: they alternate
         # between out and the scratch buffer, counted from the end so that the last lands in out.
-        writers_left = sum(1 for i in steps if self.filters[i].code not in _BYTES_OUT)
+        writers_left = sum(1 for i in steps if self.filters[i].code != FILTER_DEFLATE)
         cur: Any = src
         for i in steps:
             code = self.filters[i].code
-            if code in _BYTES_OUT:
+            if code == FILTER_DEFLATE:
                 # A bytes object of its own: usable as the next step's source without a copy.
-                data = _inflate(cur, self.chunk_bytes) if code == FILTER_DEFLATE else _unblosc(cur, self.chunk_bytes)
+                data = _inflate(cur, self.chunk_bytes)
                 if writers_left == 0:
                     out[:] = np.frombuffer(data, dtype=np.uint8)
                 cur = data
@@ -218,27 +205,6 @@ class ChunkCodec:
             else:  # shuffle: every input here has chunk_bytes (checked above / by the compressor)
                 _codecs.unshuffle_into(cur, dst, self._shuffle_sizes[i])
             cur = dst
-
-
-@functools.lru_cache(maxsize=None)
-def _blosc2():
-    import blosc2
-
-    return blosc2
-
-
-def _unblosc(src: Any, expected: int) -> bytes:
-    """Blosc-decompress one chunk (the Blosc HDF5 filter stores the whole chunk as one Blosc
-    buffer) to exactly ``expected`` bytes."""
-    try:
-        data = _blosc2().decompress(src)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise DataError(f"blosc chunk ({len(src)} stored bytes) does not decode: {e}",
-                        hint="the file is corrupt or truncated") from None
-    if len(data) != expected:
-        raise DataError(f"blosc chunk decodes to {len(data)} bytes, expected {expected}",
-                        hint="the file is corrupt or truncated")
-    return data
 
 
 def _inflate(src: Any, expected: int) -> bytes:

@@ -16,7 +16,7 @@ How it reads (the design that makes it fast):
    into plan order with ``numpy.take`` while it is still in the CPU cache -- hence the
    cache-sized default window. How the runs are read depends on the key:
    uncompressed keys with ``preadv`` straight from the file (:mod:`hpctrain.data.mapped`:
-   the offsets of their bytes are found once); lzf/gzip/shuffle/blosc-filtered keys as stored
+   the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys as stored
    chunks decoded here (:mod:`hpctrain.data.chunked`); anything else (other filters,
    ``memory_map=False``, files opened with ``mpio``) with one ``H5Dread`` per run. The
    ``preadv`` reads, chunk decodes and gathers are small GIL-free tasks that the prefetch

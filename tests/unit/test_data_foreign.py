@@ -246,39 +246,3 @@ def test_missing_filter_plugin_is_named_not_called_damage(tmp_path):
     assert "HINT: pip install hdf5plugin" in r.stdout
     assert "damaged" not in r.stdout and "re-create" not in r.stdout
     assert "SHARD:" in r.stdout and "not available" in r.stdout.split("SHARD:")[1]
-
-
-def test_blosc_chunks_decoded_by_the_loader_itself(tmp_path):
-    """Blosc chunks (PyTables, hdf5plugin) take the loader's threaded chunk path (blosc2
-    decodes them, the GIL released); every chunk decodes to what HDF5 reads."""
-    import tables
-
-    from hpctrain.data.chunked import ChunkedKey
-    from hpctrain.data.codecs import codec_for
-
-    path = str(tmp_path / "b.h5")
-    with tables.open_file(path, "w") as f:
-        f.create_carray("/", "x", obj=X, filters=tables.Filters(complib="blosc:lz4", complevel=5, shuffle=True),
-                        chunkshape=(50, 4, 8))
-    with h5py.File(path, "a") as f:
-        f.create_dataset("y", data=Y, chunks=(64,),
-                         **hdf5plugin.Blosc(cname="zstd", shuffle=hdf5plugin.Blosc.BITSHUFFLE))
-    with h5py.File(path, "r") as f:
-        for key in ("x", "y"):
-            d = f[key]
-            codec, why = codec_for(d)
-            assert codec is not None, why
-            for i in range(d.id.get_num_chunks()):
-                info = d.id.get_chunk_info(i)
-                mask, raw = d.id.read_direct_chunk(info.chunk_offset)
-                out = np.empty(codec.chunk_bytes, np.uint8)
-                codec.decode(raw, mask, out)
-                lo = info.chunk_offset[0]
-                rows = min(d.chunks[0], d.shape[0] - lo)
-                want = np.ascontiguousarray(d[lo:lo + rows]).view(np.uint8).reshape(-1)
-                np.testing.assert_array_equal(out[:want.size], want)
-    ds = HDF5Dataset([path], ["x", "y"], 32, rank=0, world_size=1, shuffle=False)
-    assert all(isinstance(r, ChunkedKey) for r in ds._readers(0).values())
-    got = load_all([path], ["x", "y"])
-    np.testing.assert_array_equal(got["x"], X)
-    np.testing.assert_array_equal(got["y"], Y)
