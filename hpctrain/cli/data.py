@@ -16,6 +16,8 @@ from typing import List, Optional
 EXAMPLES = """examples:
   hpctrain data pack digits --out digits.h5 --compression lzf --fletcher32
   hpctrain data pack features.npy labels.npy --out train.h5
+  hpctrain data pack --x X_train.npy --y y_train.npy --out train.h5
+  hpctrain data pack images/ --out images.h5               # images/<class>/<file>.png
   hpctrain data pack table.csv --label-column target --out table.h5
   hpctrain data shard train.h5 --num-shards 8 --out shards/
   mpiexec -n 4 hpctrain data shard train.h5 --num-shards 8 --out shards/   # each rank writes 2
@@ -34,8 +36,15 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
                        description="Pack inputs into one chunked HDF5 file with metadata and sha256 checksums.",
                        epilog="example:\n  hpctrain data pack digits --out digits.h5 --compression gzip --shuffle",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="'digits' (scikit-learn's digits set), FILE.npy (key = file stem), FILE.npz, FILE.csv")
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help="'digits' (scikit-learn's digits set), FILE.npy (key = file stem), FILE.npz, FILE.csv, "
+                        "FILE.parquet/.feather, FILE.h5/.nc (its sample keys, or --keys), DIR of class "
+                        "subfolders of images; a key found in several inputs is concatenated")
+    p.add_argument("--x", nargs="+", default=[], metavar="FILE", help="files (one array each) concatenated "
+                   "into key 'x', recorded as the input role")
+    p.add_argument("--y", nargs="+", default=[], metavar="FILE", help="files (one array each) concatenated "
+                   "into key 'y', recorded as the target role")
+    p.add_argument("--keys", help="HDF5/netCDF inputs: comma-separated datasets to take (nested paths allowed)")
     p.add_argument("-o", "--out", required=True, help="output .h5 file")
     p.add_argument("--key", help="dataset name for a single .npy input (default: its file stem)")
     p.add_argument("--label-column", help="CSV: header name or 0-based number of the label column (-> key 'y')")
@@ -60,6 +69,8 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument("--keys", help="comma-separated per-sample keys (default: the file's 'keys' attribute, else all)")
     p.add_argument("--only", metavar="I[,J,...]", help="write only these shard indices (0-based; ranges like 0-7 too)")
+    p.add_argument("--stratify", metavar="KEY", help="give every shard the same class proportions of this "
+                   "integer label key (per class, shard counts differ by at most one)")
     _add_quiet(p)
     p.set_defaults(data_func=run_shard)
 
@@ -67,6 +78,8 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
                        epilog="example:\n  hpctrain data inspect shards/ --json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", metavar="PATH", help="files, directories or globs")
+    p.add_argument("--keys", help="comma-separated per-sample keys (default: the 'keys' attribute, else the "
+                   "numeric datasets sharing the leading axis; dimension scales are coordinates)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(data_func=run_inspect)
 
@@ -98,7 +111,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
     r = pack(args.inputs, args.out, key=args.key, label_column=args.label_column, csv_dtype=args.csv_dtype,
              compression=args.compression, compression_opts=args.compression_opts, shuffle_filter=args.shuffle,
-             fletcher32=args.fletcher32, chunk_rows=args.chunk_rows, quiet=args.quiet)
+             fletcher32=args.fletcher32, chunk_rows=args.chunk_rows, quiet=args.quiet, keys=_keys(args.keys),
+             x=args.x, y=args.y)
     print(f"wrote {r.path}: {r.num_samples} samples, keys {', '.join(r.keys)}, {r.nbytes / 2**20:.1f} MiB of data")
     return 0
 
@@ -132,7 +146,8 @@ def run_shard(args: argparse.Namespace) -> int:
 
     rank, size = _world()
     written = shard(args.input, args.num_shards, args.out, keys=_keys(args.keys), rank=rank, size=size,
-                    quiet=args.quiet or rank != 0, only=parse_indices(args.only) if args.only else None)
+                    quiet=args.quiet or rank != 0, only=parse_indices(args.only) if args.only else None,
+                    stratify=args.stratify)
     if size > 1:
         from hpctrain import comm
 
@@ -148,7 +163,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from hpctrain.data.h5files import expand_paths
     from hpctrain.data.verify import inspect_paths, render_inspect
 
-    report = inspect_paths(expand_paths(args.paths))
+    report = inspect_paths(expand_paths(args.paths), _keys(args.keys))
     print(json.dumps(report, indent=2, default=str) if args.json else render_inspect(report))
     return 1 if report["errors"] else 0
 

@@ -11,17 +11,17 @@ and the pack / shard / inspect / verify / merge tools. The only package importin
 See docs/data.md.
 """
 from hpctrain.data.errors import (
-    ChecksumError, ConfigError, CorruptFileError, DataError, DtypeError, EmptyDataError,
+    ChecksumError, ConfigError, CorruptFileError, DataError, DtypeError, EmptyDataError, FilterUnavailableError,
     LengthMismatchError, MissingFileError, MissingKeyError, NotHDF5Error, PermissionDeniedError,
     TooFewSamplesError,
 )
 from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, plan_all, plan_epoch
 
 __all__ = [
-    "HDF5Dataset", "HDF5Loader", "POLICIES", "RankPlan", "plan_epoch", "plan_all", "global_offsets",
+    "HDF5Dataset", "HDF5Loader", "roles", "POLICIES", "RankPlan", "plan_epoch", "plan_all", "global_offsets",
     "DataError", "ConfigError", "MissingFileError", "NotHDF5Error", "CorruptFileError",
     "PermissionDeniedError", "MissingKeyError", "LengthMismatchError", "EmptyDataError",
-    "TooFewSamplesError", "DtypeError", "ChecksumError",
+    "TooFewSamplesError", "DtypeError", "ChecksumError", "FilterUnavailableError",
 ]
 
 
@@ -31,4 +31,8 @@ def __getattr__(name: str):
         from hpctrain.data import loader
 
         return getattr(loader, name)
+    if name == "roles":
+        from hpctrain.data.pack import roles
+
+        return roles
     raise AttributeError(f"module 'hpctrain.data' has no attribute {name!r}")

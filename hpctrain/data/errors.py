@@ -42,6 +42,10 @@ class CorruptFileError(DataError):
     """HDF5 could not read the file: truncated, damaged, or a checksum (fletcher32) failed."""
 
 
+class FilterUnavailableError(DataError):
+    """A dataset's filter (compression plugin) is not available to this HDF5: the file is fine."""
+
+
 class PermissionDeniedError(DataError):
     """The file exists but this process may not read (or write) it."""
 

@@ -47,7 +47,7 @@ import torch
 
 from hpctrain.data.errors import ConfigError, DataError
 from hpctrain.data.h5files import (
-    FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, open_h5, read_error,
+    FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, in_file, open_h5, read_error,
 )
 from hpctrain.data.chunked import ChunkedKey, chunked_dataset
 from hpctrain.data.mapped import CopyJob, MappedKey, gather_tasks, map_dataset, open_map, take_tasks
@@ -79,7 +79,8 @@ def choose_driver(requested: Optional[str], h5py_has_mpi: bool, world_size: int,
         return "mpio"
     if requested == "auto":
         return "mpio" if (h5py_has_mpi and world_size > 1 and not in_worker) else None
-    raise ConfigError(f"unknown driver {requested!r}; expected 'auto', 'mpio' or 'serial'")
+    raise ConfigError(f"unknown driver {requested!r}; expected 'auto', 'mpio' or 'serial'",
+                      hint="use driver='auto' (default), 'mpio' or 'serial'")
 
 
 def _torch_dtype(dtype: Union[str, torch.dtype, np.dtype, None]) -> Optional[torch.dtype]:
@@ -90,7 +91,8 @@ def _torch_dtype(dtype: Union[str, torch.dtype, np.dtype, None]) -> Optional[tor
     try:
         return torch.from_numpy(np.zeros(0, dtype=np.dtype(dtype))).dtype
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"unknown dtype {dtype!r}") from exc
+        raise ConfigError(f"unknown dtype {dtype!r}",
+                          hint="use a numpy dtype name such as 'float32' or 'int64'") from exc
 
 
 def _world_default(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -160,15 +162,18 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             keys = [keys]
         self.keys: List[str] = list(keys)
         if not self.keys:
-            raise ConfigError("keys is empty; expected at least one dataset name, e.g. keys=['x', 'y']")
+            raise ConfigError("keys is empty; expected at least one dataset name, e.g. keys=['x', 'y']",
+                              hint="pass the dataset names to read, e.g. keys=['x', 'y']")
         for reserved in (mask_key, index_key):
             if reserved in self.keys:
                 raise ConfigError(f"key {reserved!r} clashes with the batch's {reserved!r} entry",
                                   hint="pass mask_key=/index_key= with other names")
         if policy not in POLICIES:
-            raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+            raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}",
+                              hint="pick one of the policies listed")
         if prefetch < 0 or window_bytes < 1 or block_bytes < 1:
-            raise ConfigError("prefetch must be >= 0 and window_bytes, block_bytes >= 1")
+            raise ConfigError("prefetch must be >= 0 and window_bytes, block_bytes >= 1",
+                              hint="use prefetch >= 0 and positive byte sizes")
         self.paths = expand_paths(paths)
         self.rank, self.world_size = _world_default(rank, world_size)
         self.batch_size = int(batch_size)
@@ -176,7 +181,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.seed = int(seed)
         modes = {True: "window", "window": "window", "block": "block", False: "none", "none": "none"}
         if not isinstance(shuffle, (bool, str)) or shuffle not in modes:
-            raise ConfigError(f"shuffle must be True, False, 'window', 'block' or 'none'; got {shuffle!r}")
+            raise ConfigError(f"shuffle must be True, False, 'window', 'block' or 'none'; got {shuffle!r}",
+                              hint="use one of the values listed")
         self.shuffle_mode = modes[shuffle]
         self.shuffle = self.shuffle_mode != "none"
         self.drop_last = bool(drop_last)
@@ -186,7 +192,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.transform = transform
         for k in list(self.dtypes) + list(self.transforms):
             if k not in self.keys:
-                raise ConfigError(f"dtypes/transforms name key {k!r}, which is not in keys {self.keys}")
+                raise ConfigError(f"dtypes/transforms name key {k!r}, which is not in keys {self.keys}",
+                                  hint="name only keys that the loader reads")
         self.prefetch = int(prefetch)
         self.driver = driver
         self.memory_map = bool(memory_map)
@@ -251,7 +258,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         next iteration on. Call it with the same weights on every rank. The global batch and
         the steps per epoch stay the same; this rank's batch size may change."""
         if self.policy != "weighted":
-            raise ConfigError(f"set_weights needs policy 'weighted', this loader uses {self.policy!r}")
+            raise ConfigError(f"set_weights needs policy 'weighted', this loader uses {self.policy!r}",
+                              hint="create the loader with policy='weighted' to change weights")
         old = self.weights
         self.weights = [float(w) for w in weights]
         try:
@@ -333,6 +341,10 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             if mm is not None:
                 self._mmaps[i] = mm
                 for key in self.keys:
+                    if not in_file(dsets[key], self.paths[i]):
+                        # Reached through an external link: its offsets are another file's.
+                        log.debug("data: %s[%s] read through HDF5 (in another file)", self.paths[i], key)
+                        continue
                     found[key], why = map_dataset(dsets[key], mm)
                     if found[key] is None and dsets[key].compression is not None:
                         found[key], why = chunked_dataset(dsets[key], mm)
@@ -482,7 +494,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 try:
                     _read_union(dsets[key], mine, out[key][pos:pos + rows])
                 except Exception as exc:  # damaged chunk, fletcher32 mismatch, ...
-                    raise read_error(exc, self.paths[fi], key) from exc
+                    raise read_error(exc, self.paths[fi], key, dsets[key]) from exc
             pos += rows
             j = k
 
@@ -552,10 +564,12 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         minus the first ``step`` (resuming inside an epoch), without reading the windows
         that lie wholly before ``step``."""
         if not 0 <= step <= len(self):
-            raise ConfigError(f"iter_from: step {step} is outside this epoch's 0..{len(self)} batches")
+            raise ConfigError(f"iter_from: step {step} is outside this epoch's 0..{len(self)} batches",
+                              hint="pass a step between 0 and the number of batches of the epoch")
         if step and torch.utils.data.get_worker_info() is not None:
             raise ConfigError("iter_from: starting mid-epoch inside DataLoader workers is not supported; "
-                              "HINT: iterate the dataset itself (num_workers=0) when resuming")
+                              "HINT: iterate the dataset itself (num_workers=0) when resuming",
+                              hint="resume at an epoch boundary, or use num_workers=0")
         return self._iterate(step)
 
     def _iterate(self, start: int) -> Iterator[Batch]:

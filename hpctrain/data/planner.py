@@ -92,7 +92,8 @@ def apportion(total: int, weights: Sequence[float], minimum: int = 0) -> List[in
         while parts[i] < minimum:
             j = int(np.argmax(parts))
             if parts[j] <= minimum:
-                raise ConfigError(f"cannot give each of {len(w)} parts at least {minimum} of {total}")
+                raise ConfigError(f"cannot give each of {len(w)} parts at least {minimum} of {total}",
+                                  hint="use fewer ranks or more data")
             parts[j] -= 1
             parts[i] += 1
     return [int(p) for p in parts]
@@ -152,13 +153,16 @@ def rank_batch_sizes(world_size: int, batch_size: int, policy: str,
 def _check_args(counts: Sequence[int], world_size: int, rank: int, batch_size: int,
                 policy: str, weights: Optional[Sequence[float]]) -> None:
     if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}",
+                          hint="pick one of the policies listed")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is not in a world of {world_size}")
+        raise ConfigError(f"rank {rank} is not in a world of {world_size}",
+                          hint="rank must be between 0 and world_size - 1")
     if batch_size < 1:
-        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}", hint="use a batch size of 1 or more")
     if any(int(c) < 0 for c in counts):
-        raise ConfigError(f"sample counts must be >= 0, got {list(counts)!r}")
+        raise ConfigError(f"sample counts must be >= 0, got {list(counts)!r}",
+                          hint="sample counts come from the files; check them with `hpctrain data inspect`")
     if weights is not None and policy != "weighted":
         raise ConfigError(f"weights are used only by policy 'weighted', not {policy!r}",
                           hint="pass policy='weighted' or drop the weights")
@@ -168,7 +172,8 @@ def _blocks(counts: Sequence[int], block_rows: Union[int, Sequence[int]]) -> np.
     """Chunk-aligned blocks as a (n, 2) array of global [start, stop), in index order."""
     sizes = [block_rows] * len(counts) if isinstance(block_rows, (int, np.integer)) else list(block_rows)
     if len(sizes) != len(counts) or any(int(b) < 1 for b in sizes):
-        raise ConfigError(f"block_rows must be >= 1, one per file; got {block_rows!r}")
+        raise ConfigError(f"block_rows must be >= 1, one per file; got {block_rows!r}",
+                          hint="use block_rows >= 1 (one value, or one per file)")
     offsets = global_offsets(counts)
     starts: List[np.ndarray] = []
     for f, (count, b) in enumerate(zip(counts, sizes)):
@@ -315,7 +320,8 @@ def plan_epoch(
         steps, idx, mask = _contiguous([int(c) for c in counts], world_size, rank, sizes, seed,
                                        epoch, drop_last, shuffle, block_rows)
     if window_order not in ("shuffle", "sort"):
-        raise ConfigError(f"window_order must be 'shuffle' or 'sort', got {window_order!r}")
+        raise ConfigError(f"window_order must be 'shuffle' or 'sort', got {window_order!r}",
+                          hint="use window_order 'shuffle' or 'sort'")
     if window_steps > 0 and shuffle:
         idx, mask = _window_reorder(idx, mask, window_steps * sizes[rank], sizes[rank], seed, epoch, rank,
                                     window_order)

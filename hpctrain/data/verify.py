@@ -14,9 +14,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import h5py
 import numpy as np
 
-from hpctrain.data.errors import DataError
+from hpctrain.data.errors import DataError, MissingKeyError
 from hpctrain.data.h5files import (
-    CHECKSUM_ATTR, NUMERIC_KINDS, chunk_rows_of, dataset_names, open_h5, progress_bar, read_error, slabs,
+    CHECKSUM_ATTR, NUMERIC_KINDS, chunk_rows_of, dataset_names, filter_pipeline, layout_of, open_h5, progress_bar,
+    read_error, slabs, unavailable_filters,
 )
 from hpctrain.data.shard import SHARD_ATTRS, describe_sources, group_by_source, shard_ranges, source_of
 
@@ -31,47 +32,47 @@ def _attr(value: Any) -> Any:
     return value
 
 
-def _sample_keys(f: h5py.File, names: List[str]) -> List[str]:
-    if "keys" in f.attrs:
-        try:
-            keys = json.loads(f.attrs["keys"])
-            return [k for k in keys if k in names] or names
-        except (TypeError, ValueError):
-            pass
-    return names
-
-
-def inspect_file(path: str) -> Dict[str, Any]:
+def inspect_file(path: str, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Keys, shapes, dtypes, chunks, filters, sample count and shard info of one file."""
     entry: Dict[str, Any] = {"path": path}
     try:
         entry["size_bytes"] = os.path.getsize(path) if os.path.exists(path) else None
         with open_h5(path) as f:
             names = dataset_names(f)
-            keys = _sample_keys(f, names)
+            layout = layout_of(f, keys)
+            keys = layout.sample_keys
+            absent = [k for k in keys if not isinstance(f.get(k), h5py.Dataset)]
+            if absent:
+                raise MissingKeyError(f"no such dataset; datasets in the file: {', '.join(names) or '(none)'}",
+                                      path=path, key=absent[0], hint="pass keys that exist (nested paths as a/b/c)")
             entry["attrs"] = {k: _attr(v) for k, v in f.attrs.items()}
             entry["datasets"] = {}
             for name in names:
                 d = f[name]
                 entry["datasets"][name] = {
                     "shape": list(d.shape), "dtype": str(d.dtype), "chunks": list(d.chunks) if d.chunks else None,
-                    "compression": d.compression, "compression_opts": _attr(d.compression_opts),
+                    "compression": None if d.compression == "unknown" else d.compression, "compression_opts": _attr(d.compression_opts),
                     "shuffle": bool(d.shuffle), "fletcher32": bool(d.fletcher32),
                     "sha256": _attr(d.attrs.get(CHECKSUM_ATTR)), "sample_key": name in keys,
-                    "storage_bytes": int(d.id.get_storage_size()),
+                    "role": layout.role(name), "note": layout.metadata.get(name),
+                    "filters": [f"{nm} ({code})" for code, nm in filter_pipeline(d)],
+                    "missing_filters": [f"filter {code} ({nm})" for code, nm in unavailable_filters(d)],
+                    "virtual": bool(d.is_virtual), "storage_bytes": int(d.id.get_storage_size()),
                 }
             lengths = {k: f[k].shape[0] if f[k].ndim else None for k in keys}
             entry["sample_keys"] = keys
             entry["num_samples"] = lengths[keys[0]] if keys and len(set(lengths.values())) == 1 else None
+            entry["coordinates"] = layout.coordinates
             if entry["num_samples"] is None and keys:
-                entry["error"] = f"keys have different numbers of samples: {lengths}"
+                entry["error"] = (f"keys have different numbers of samples: {lengths}; HINT: name the per-sample "
+                                  "keys with --keys (shard, verify) or data.keys (training)")
     except DataError as exc:
         entry["error"] = str(exc)
     return entry
 
 
-def inspect_paths(paths: Sequence[str]) -> Dict[str, Any]:
-    files = [inspect_file(p) for p in paths]
+def inspect_paths(paths: Sequence[str], keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    files = [inspect_file(p, keys) for p in paths]
     total = sum(f.get("num_samples") or 0 for f in files)
     return {"files": files, "num_files": len(files), "num_samples": total,
             "errors": sum(1 for f in files if "error" in f)}
@@ -79,6 +80,15 @@ def inspect_paths(paths: Sequence[str]) -> Dict[str, Any]:
 
 def _mib(n: Optional[int]) -> str:
     return "?" if n is None else f"{n / 2**20:.1f}"
+
+
+def _filters_text(d: Dict[str, Any]) -> str:
+    """h5py's names for its own filters (with options), HDF5's for plugin ones."""
+    if d["compression"] and d["compression"] != "unknown":
+        filt = [d["compression"] + (f"({d['compression_opts']})" if d["compression_opts"] is not None else "")]
+        filt += ["shuffle"] * d["shuffle"] + ["fletcher32"] * d["fletcher32"]
+        return ",".join(filt)
+    return ",".join(x.split(" (")[0] for x in d.get("filters", []))
 
 
 def render_inspect(report: Dict[str, Any]) -> str:
@@ -93,14 +103,17 @@ def render_inspect(report: Dict[str, Any]) -> str:
         if "shard_index" in a:
             lines.append(f"  shard {a['shard_index']} of {a.get('num_shards')}: rows {a.get('shard_start')}"
                          f"..{a.get('shard_stop')} of {a.get('parent_num_samples')}")
-        lines.append(f"  {'key':<16} {'shape':<18} {'dtype':<9} {'chunks':<16} {'filters':<22} {'MiB':>8}")
+        width = max([16] + [len(n) for n in f.get("datasets", {})])
+        lines.append(f"  {'key':<{width}} {'role':<10} {'shape':<18} {'dtype':<9} {'chunks':<16} {'filters':<22} "
+                     f"{'MiB':>8}")
         for name, d in f.get("datasets", {}).items():
-            filt = [d["compression"] + (f"({d['compression_opts']})" if d["compression_opts"] is not None else "")] \
-                if d["compression"] else []
-            filt += ["shuffle"] * d["shuffle"] + ["fletcher32"] * d["fletcher32"]
-            lines.append(f"  {name:<16} {str(tuple(d['shape'])):<18} {d['dtype']:<9} "
-                         f"{str(tuple(d['chunks'])) if d['chunks'] else 'contiguous':<16} "
-                         f"{','.join(filt) or 'none':<22} {_mib(d['storage_bytes']):>8}")
+            lines.append(f"  {name:<{width}} {d['role']:<10} {str(tuple(d['shape'])):<18} {d['dtype']:<9} "
+                         f"{str(tuple(d['chunks'])) if d['chunks'] else ('virtual' if d['virtual'] else 'contiguous'):<16} "
+                         f"{_filters_text(d) or 'none':<22} {_mib(d['storage_bytes']):>8}")
+        for name, d in f.get("datasets", {}).items():
+            if d["missing_filters"]:
+                lines.append(f"  WARNING: {name}: {', '.join(d['missing_filters'])} not available: "
+                             "HINT: pip install hdf5plugin (or set HDF5_PLUGIN_PATH to the plugin's directory)")
         if "error" in f:
             lines.append(f"  ERROR: {f['error']}")
     if len(report["files"]) > 1:
@@ -125,12 +138,12 @@ def verify_file(path: str, keys: Optional[Sequence[str]] = None, bar=None) -> Di
     try:
         with open_h5(path) as f:
             names = dataset_names(f)
-            wanted = list(keys) if keys else _sample_keys(f, names)
+            wanted = list(keys) if keys else layout_of(f).sample_keys
             if not names:
                 problems.append("file holds no datasets")
             lengths = {}
             for k in wanted:
-                if k not in names:
+                if not isinstance(f.get(k), h5py.Dataset):  # soft links are keys too
                     problems.append(f"key {k!r}: missing (datasets: {', '.join(names) or 'none'})")
                     continue
                 d = f[k]
@@ -161,6 +174,9 @@ def _shard_entry(attrs, lengths: Dict[str, Any], problems: List[str], notes: Lis
     if not recorded:
         notes.append("source not recorded (no parent_fingerprint attribute): shards of different parents "
                      "are told apart only by the parent's sample count and checksums")
+    if "stratified_by" in entry:
+        notes.append(f"stratified by {entry['stratified_by']!r}: rows picked by class, not one range of the parent")
+        return entry
     try:
         i, total, n = int(entry["shard_index"]), int(entry["num_shards"]), int(entry["parent_num_samples"])
         start, stop = int(entry["shard_start"]), int(entry["shard_stop"])
@@ -205,7 +221,7 @@ def _verify_dataset(d: h5py.Dataset, path: str, key: str, problems: List[str], n
             if bar is not None:
                 bar.update(buf.nbytes)
     except Exception as exc:  # noqa: BLE001 - a damaged chunk is a finding, not a crash
-        problems.append(str(read_error(exc, path, key)))
+        problems.append(str(read_error(exc, path, key, d)).replace("\n", " "))
         info["readable"] = False
         return info
     digest = h.hexdigest()

@@ -1,0 +1,49 @@
+"""Stratified splits: which rows go to which shard so that every shard holds the same class
+proportions. Pure planning (numpy only, no I/O).
+
+Invariants of :func:`stratified_split` for ``labels`` of n rows and S shards:
+
+* every row is in exactly one shard, and each shard lists its rows in ascending order;
+* for every class, the shards' counts of it differ by at most one;
+* the shards' sizes differ by at most one (as the unstratified split's do).
+
+Both balances come from one walk: the rows of each class (classes in sorted order, rows in
+file order) are dealt round-robin to the shards, and the deal continues where the previous
+class stopped, so the ``k``-th row dealt overall goes to shard ``k % S``.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+
+def stratified_split(labels: Sequence, num_shards: int) -> List[np.ndarray]:
+    """Row indices (int64, ascending) of each of ``num_shards`` shards."""
+    y = np.asarray(labels)
+    if y.ndim != 1:
+        raise ValueError(f"labels must be one value per row (1-D), got shape {y.shape}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    order = np.argsort(y, kind="stable")  # by class, file order within a class
+    shard_of = np.empty(len(y), np.int64)
+    shard_of[order] = np.arange(len(y), dtype=np.int64) % num_shards
+    return [np.flatnonzero(shard_of == s).astype(np.int64) for s in range(num_shards)]
+
+
+def class_counts(labels: Sequence, rows: np.ndarray, classes: Sequence) -> np.ndarray:
+    """How many of ``rows`` hold each of ``classes`` (for reports and checks)."""
+    y = np.asarray(labels)[rows]
+    return np.array([int(np.count_nonzero(y == c)) for c in classes], np.int64)
+
+
+def runs_of(rows: np.ndarray) -> List[tuple]:
+    """``rows`` (ascending) as maximal ``(start, stop)`` ranges of consecutive indices, for
+    reading a stratified shard's rows with few slab reads."""
+    rows = np.asarray(rows, np.int64)
+    if rows.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [rows.size]])
+    return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
