@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import List
 
+from hpctrain import settings
+
 
 def flags_for_mpi_version(version_text: str) -> List[str]:
     """Extra mpiexec flags for a launcher, from what ``mpiexec --version`` printed."""
@@ -35,7 +37,7 @@ def launcher_flags(mpiexec: str) -> List[str]:
 
 
 def find_mpiexec() -> str:
-    explicit = os.environ.get("HPCTRAIN_MPIEXEC")
+    explicit = settings.rc.mpiexec
     if explicit:
         return explicit
     beside = Path(sys.executable).parent / "mpiexec"
