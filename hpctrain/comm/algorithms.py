@@ -28,6 +28,7 @@ def ring_segment_bytes() -> int:
     """HPCTRAIN_RING_SEGMENT_BYTES, default PY_RING_SEGMENT_BYTES: the Python ring's segment."""
     return settings.rc.ring_segment_bytes or PY_RING_SEGMENT_BYTES
 
+
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 _MPI_BOOL_OPS = {"sum": MPI.BOR, "avg": MPI.BOR, "max": MPI.BOR, "min": MPI.BAND, "prod": MPI.BAND}
 _native_f16 = {"ok": True}

@@ -41,13 +41,13 @@ SLOTS = 4
 # HPCTRAIN_RING_C=0 on any rank keeps the whole communicator on the Python ring (it enters
 # the agreement); ENABLED is the same switch at run time, to be flipped on every rank alike.
 ENABLED = True
+_bound: Dict[str, bool] = {}
+_agreed: Dict[int, Tuple[object, bool]] = {}  # id(comm) -> (comm, usable); holds comm, so ids stay unique
 
 
 def segment_bytes() -> int:
     """HPCTRAIN_RING_SEGMENT_BYTES, default SEGMENT_BYTES: the C ring's segment."""
     return settings.rc.ring_segment_bytes or SEGMENT_BYTES
-_bound: Dict[str, bool] = {}
-_agreed: Dict[int, Tuple[object, bool]] = {}  # id(comm) -> (comm, usable); holds comm, so ids stay unique
 
 
 def _bind() -> bool:

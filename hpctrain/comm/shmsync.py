@@ -54,13 +54,14 @@ OP_CODES = {op: i for i, op in enumerate(OPS)}
 log = logging.getLogger("hpctrain.comm")
 HEADER = struct.Struct("8q")  # the 7 header fields of guard.make_header, padded to 64 bytes
 ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
-# Zero-copy all-reduces whose window data (all local slots together) exceed this write their
-# results with streaming stores: no read-for-ownership of lines they overwrite, a third less
-# memory traffic — but the result is not left in cache, which only pays beyond L3.
-def streaming_bytes() -> int:
-    """HPCTRAIN_SHM_STREAMING_BYTES (default 48 MiB)."""
-    return settings.rc.shm_streaming_bytes
 
+
+def streaming_bytes() -> int:
+    """HPCTRAIN_SHM_STREAMING_BYTES (default 48 MiB): zero-copy all-reduces whose window data
+    (all local slots together) exceed this write their results with streaming stores: no
+    read-for-ownership of lines they overwrite, a third less memory traffic — but the result
+    is not left in cache, which only pays beyond L3."""
+    return settings.rc.shm_streaming_bytes
 
 
 # Larger all-reduces on one node stream through the data slots in segments of up to this

@@ -23,8 +23,6 @@ def text(what: Text) -> str:
 def suffixed(what: Text, suffix: str) -> Callable[[], str]:
     return lambda: text(what) + suffix
 
-DEFAULT_TIMEOUT_S = 300.0
-
 
 def stall_timeout() -> float:
     """Seconds from HPCTRAIN_STALL_TIMEOUT (default 300; 0 disables the watchdog)."""

@@ -112,14 +112,15 @@ def test_one_rank_without_the_c_ring_keeps_every_rank_on_the_python_ring():
     """HPCTRAIN_RING_C=0 (or no extension) on one rank: the communicator's first ring agrees
     on the Python ring for all, instead of ranks exchanging different messages."""
     from hpctrain import settings
+    from hpctrain.comm import mpiring
 
     with settings.override(ring_c=settings.rc.ring_c and R != N - 1):
         sub = comm.new_group(list(range(N)))  # a fresh communicator: a fresh agreement
         x = local_data(100_003, "float32", R)
         out = comm.allreduce(x, algorithm="ring", group=sub)
-    np.testing.assert_allclose(out, reference(x, "sum"), rtol=1e-5, atol=1e-5)
-    assert_same_on_every_rank(out)
-    assert mpiring.usable(sub.ring_comm) is (N == 1 and mpiring.available())
+        np.testing.assert_allclose(out, reference(x, "sum"), rtol=1e-5, atol=1e-5)
+        assert_same_on_every_rank(out)
+        assert mpiring.usable(sub.ring_comm) is (N == 1 and mpiring.available())
     sub.free()
 
 
