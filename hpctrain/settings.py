@@ -28,7 +28,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 __all__ = ["SettingError", "Setting", "DECLARED", "rc", "get", "read", "reset", "override", "check_all",
            "parse_size", "format_size", "markdown_table"]
@@ -100,6 +100,7 @@ class Setting:
 
     @property
     def env(self) -> str:
+        """The variable's name: ``HPCTRAIN_`` and the setting's name in capitals."""
         return PREFIX + self.name.upper()
 
     def expected(self) -> str:
@@ -142,8 +143,9 @@ class Setting:
         if value is None and self.default is None:
             return None
         if self.kind in ("seconds", "size"):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"{self.name}: {value!r} is not a number")
+            number = (int, float) if self.kind == "seconds" else int
+            if not isinstance(value, number) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{self.name}: {value!r} is not a {'number' if self.kind == 'seconds' else 'byte count'}")
             if self.minimum is not None and value < self.minimum:
                 raise ValueError(f"{self.name}: {value!r} is below {self.minimum:g}")
         elif self.kind == "choice" and value not in self.choices:
@@ -168,6 +170,7 @@ class Setting:
         return text
 
     def default_text(self) -> str:
+        """The default as the README shows it."""
         if self.shown_default:
             return self.shown_default
         if self.kind == "flag":
@@ -267,7 +270,7 @@ class _Settings:
         raise AttributeError(f"settings are read from the environment; set {PREFIX}{name.upper()} "
                              "before the process starts (or use hpctrain.settings.override in tests)")
 
-    def __dir__(self):
+    def __dir__(self) -> List[str]:
         return list(_BY_NAME)
 
 
