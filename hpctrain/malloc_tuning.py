@@ -14,13 +14,15 @@ import ctypes
 import os
 from typing import Dict, MutableMapping
 
+from hpctrain import settings
+
 THRESHOLD_BYTES = 4 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 ENV_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def wanted(env: MutableMapping[str, str]) -> bool:
-    return env.get("HPCTRAIN_MALLOC_TUNING", "1") != "0" and not any(k in env for k in ENV_KEYS)
+    return settings.read("malloc_tuning", env) and not any(k in env for k in ENV_KEYS)
 
 
 def child_env(env: MutableMapping[str, str]) -> Dict[str, str]:

@@ -36,6 +36,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
+from hpctrain import settings
 from hpctrain.data.benchio import bench_file, file_stats, naive_read, raw_read
 
 DEFAULT_DIR = "/tmp/hpctrain-bench-data"
@@ -49,13 +50,11 @@ NAIVE = "naive dset[i]"
 
 
 def parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper().replace(" ", "")
-    num = t.rstrip("KMGIB")
-    unit = t[len(num):]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; examples: 1GiB, 512MiB, 2GB")
-    return int(float(num) * units[unit])
+    """``--size``: :func:`hpctrain.settings.parse_size` (every unit a power of 1024), as an argparse type."""
+    try:
+        return settings.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Tuple
 
+from hpctrain import settings
+
 
 def flags_for_mpi_version(version_text: str) -> List[str]:
     """Extra mpiexec flags for a launcher, from what ``mpiexec --version`` printed."""
@@ -77,7 +79,7 @@ def process_tree(root: int) -> Dict[int, Tuple[int, str]]:
 
 
 def find_mpiexec() -> str:
-    explicit = os.environ.get("HPCTRAIN_MPIEXEC")
+    explicit = settings.rc.mpiexec
     if explicit:
         return explicit
     beside = Path(sys.executable).parent / "mpiexec"

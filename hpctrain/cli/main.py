@@ -62,10 +62,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from hpctrain import settings
     from hpctrain.comm.abort import run_or_abort
     from hpctrain.comm.errors import WorldSizeError
     from hpctrain.extras import MissingExtraError
     from hpctrain.malloc_tuning import tune_this_process
+
+    try:  # every HPCTRAIN_* variable, before anything runs: a bad one is one line, not a traceback
+        settings.check_all()
+    except settings.SettingError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr)
+        return 2
 
     tune_this_process()
     try:

@@ -10,18 +10,24 @@
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from . import mpiring, plan, shmsync
 from .buffers import finish_average, reduce_into
 from .watchdog import suffixed
 
 # Ring segments: ≥ 1 MiB, since each message of the Python ring costs ~15 µs of Python.
-RING_SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(1 << 20)))
+PY_RING_SEGMENT_BYTES = 1 << 20
+
+
+def ring_segment_bytes() -> int:
+    """HPCTRAIN_RING_SEGMENT_BYTES, default PY_RING_SEGMENT_BYTES: the Python ring's segment."""
+    return settings.rc.ring_segment_bytes or PY_RING_SEGMENT_BYTES
+
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 _MPI_BOOL_OPS = {"sum": MPI.BOR, "avg": MPI.BOR, "max": MPI.BOR, "min": MPI.BAND, "prod": MPI.BAND}
@@ -109,7 +115,7 @@ def ring_(comm, arr: np.ndarray, op: str, dtype_name: str, dog, what,
             with dog.watch(suffixed(what, " (ring)"), lambda: f"{describe(left_rank)} (left neighbour)"):
                 mpiring.allreduce_(comm, arr, code, op, average_over or size, scratch)
             return
-        seg = max(1, RING_SEGMENT_BYTES // arr.itemsize)
+        seg = max(1, ring_segment_bytes() // arr.itemsize)
         sched = plan.ring_schedule(arr.size, size, comm.Get_rank(), seg)
         left, right = sched.left, sched.right
         scratch = _scratch(comm, min(sched.max_chunk, RING_SLOTS * seg), arr.dtype)
@@ -410,7 +416,7 @@ def shm_zero_copy_(group, sbuf: SharedBuffer, offset: int, count: int, op: str, 
             item = sbuf.dtype.itemsize
             where = [slot[offset + a:offset + b] for slot in sbuf.slots]
             shmsync.reduce_to_all(where, where, b - a, code, op, group.size,
-                                  streaming=count * item * local_size > shmsync.STREAMING_BYTES)
+                                  streaming=count * item * local_size > shmsync.streaming_bytes())
         node_barrier(group, dog, suffixed(what, " (zero-copy: waiting for peers' results)"))
         return
     views = [s[offset:offset + count] for s in sbuf.slots]

@@ -6,13 +6,13 @@ caller's type. Blocking calls wait for queued async ones first, so order is kept
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from . import algorithms, asyncq, device, guard, plan, shmsync, tuning
 from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
 from .device import accept_device_buffers, cuda_support  # noqa: F401 - public through hpctrain.comm
@@ -39,7 +39,7 @@ def requested_algorithm(algorithm: str) -> str:
     """The caller's choice, unless HPCTRAIN_ALLREDUCE (read once per process) overrides 'auto'."""
     if algorithm == "auto":
         if _ENV_CHOICE["value"] is None:
-            _ENV_CHOICE["value"] = os.environ.get("HPCTRAIN_ALLREDUCE", "auto") or "auto"
+            _ENV_CHOICE["value"] = settings.rc.allreduce
         algorithm = _ENV_CHOICE["value"]
     if algorithm not in plan.ALGORITHMS:
         raise ValueError(

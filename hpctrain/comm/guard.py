@@ -14,19 +14,21 @@ watchdog still catches stalls then, but cannot name the missing ranks as precise
 """
 from __future__ import annotations
 
-import os
 import zlib
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
 from .plan import ALGORITHMS
 
 _TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
 HEADER_LEN = 7
-_enabled = {"on": os.environ.get("HPCTRAIN_CHECK_COLLECTIVES", "1") != "0"}
+# From HPCTRAIN_CHECK_COLLECTIVES at comm.init() (not at import: a bad value is an error at
+# init, never at import), unless set_checks() chose first.
+_enabled = {"on": True, "chosen": False}
 
 _OP_NAMES = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
              "broadcast_object", "allgather_object", "grouped_allreduce"]
@@ -38,6 +40,13 @@ _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 def set_checks(enabled: bool) -> None:
     """Turn the per-collective agreement check on or off (on by default)."""
     _enabled["on"] = bool(enabled)
+    _enabled["chosen"] = True
+
+
+def load_setting() -> None:
+    """HPCTRAIN_CHECK_COLLECTIVES, unless ``set_checks`` chose already (called by init)."""
+    if not _enabled["chosen"]:
+        _enabled["on"] = settings.rc.check_collectives
 
 
 def checks_enabled() -> bool:

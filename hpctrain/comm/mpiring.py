@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Dict, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from .buffers import DTYPE_CODES
 from .errors import CommError
 from .shmsync import FAST_DTYPES, OP_CODES  # the same kernels' codes (_kernels.h)
@@ -39,14 +39,18 @@ log = logging.getLogger("hpctrain.comm")
 # MPI_Allreduce; segment sizes from 128 KiB to 1 MiB were within a few percent of each other
 # on the 2-core machine this was tuned on (re-tune with HPCTRAIN_RING_SEGMENT_BYTES and
 # `hpctrain bench allreduce`).
-SEGMENT_BYTES = int(os.environ.get("HPCTRAIN_RING_SEGMENT_BYTES", str(512 * 1024)))
+SEGMENT_BYTES = 512 * 1024
 SLOTS = 4
 # HPCTRAIN_RING_C=0 on any rank keeps the whole communicator on the Python ring (it enters
 # the agreement); ENABLED is the same switch at run time, to be flipped on every rank alike.
-_ENV_ENABLED = os.environ.get("HPCTRAIN_RING_C", "1") != "0"
-ENABLED = _ENV_ENABLED
+ENABLED = True
 _bound: Dict[str, bool] = {}
 _agreed: Dict[int, Tuple[object, bool]] = {}  # id(comm) -> (comm, usable); holds comm, so ids stay unique
+
+
+def segment_bytes() -> int:
+    """HPCTRAIN_RING_SEGMENT_BYTES, default SEGMENT_BYTES: the C ring's segment."""
+    return settings.rc.ring_segment_bytes or SEGMENT_BYTES
 
 
 def _bind() -> bool:
@@ -72,7 +76,7 @@ def available() -> bool:
 
 
 def _can_run() -> bool:
-    return _ENV_ENABLED and _mpiring is not None and _bind()
+    return settings.rc.ring_c and _mpiring is not None and _bind()
 
 
 def known(comm):
@@ -101,7 +105,7 @@ def kernel_dtype_code(dtype_name: str):
 def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, scratch: np.ndarray) -> None:
     """Ring all-reduce of ``arr`` in place (C); ``scratch`` holds ``SLOTS`` segments."""
     err = _mpiring.allreduce(comm.handle, MPI.BYTE.handle, comm.Get_rank(), comm.Get_size(), arr, scratch,
-                             dtype_code, OP_CODES[op], divisor, SEGMENT_BYTES)
+                             dtype_code, OP_CODES[op], divisor, segment_bytes())
     if err:
         raise CommError(f"the C ring all-reduce failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
                         "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")
@@ -111,4 +115,4 @@ def scratch_elements(length: int, size: int, itemsize: int) -> int:
     """Scratch the C ring needs for ``length`` elements over ``size`` ranks: ``SLOTS``
     segments, each at most one chunk."""
     chunk = -(-length // max(size, 1))
-    return SLOTS * max(1, min(SEGMENT_BYTES // itemsize, chunk))
+    return SLOTS * max(1, min(segment_bytes() // itemsize, chunk))

@@ -5,10 +5,12 @@ process can build every rank's view in a unit test.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Dict, List, Sequence, Tuple
+
+# One size rule for all of hpctrain (every unit a power of 1024); re-exported as comm.parse_size.
+from ..settings import format_size, parse_size  # noqa: F401
 
 Bounds = Tuple[int, int]
 
@@ -282,23 +284,3 @@ def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bo
         ring_too = topology.size >= RING_CANDIDATE_RANKS and nbytes >= RING_CANDIDATE_BYTES
         return ("shm", "native", "ring") if ring_too else ("shm", "native")
     return ("ring", "shm", "native") if pipes else ("ring", "native")
-
-
-# --------------------------------------------------------------------------- sizes
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-
-
-def parse_size(text: str) -> int:
-    """'64KiB' → 65536, '1MB' → 1000000, '4096' → 4096."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}; examples: 4096, 64KiB, 16MiB, 1GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def format_size(nbytes: int) -> str:
-    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor}{unit}"
-    return f"{nbytes}B"

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
 
@@ -35,21 +36,15 @@ SLOT_BYTES = 256 * 1024
 PIPED_MIN_SLOT_BYTES = 4096  # smaller slots (HPCTRAIN_SHM_SLOT_BYTES) do not pipe
 
 
-def _size_from_env(name: str, default: int) -> int:
-    from .plan import parse_size
-
-    return parse_size(os.environ.get(name, str(default)))
-
-
 def small_allreduce_bytes() -> int:
     """HPCTRAIN_SHM_SMALL_BYTES, default SMALL_ALLREDUCE_BYTES: the largest flag exchange."""
-    return _size_from_env("HPCTRAIN_SHM_SMALL_BYTES", SMALL_ALLREDUCE_BYTES)
+    return settings.rc.shm_small_bytes
 
 
 def slot_bytes_wanted() -> int:
     """HPCTRAIN_SHM_SLOT_BYTES, default SLOT_BYTES, at least the largest flag exchange (the
     window holds two slots per local rank and group)."""
-    return max(_size_from_env("HPCTRAIN_SHM_SLOT_BYTES", SLOT_BYTES), small_allreduce_bytes())
+    return max(settings.rc.shm_slot_bytes, small_allreduce_bytes())
 # dtypes and ops the C kernels reduce (float16/bfloat16/complex/bool take the MPI path)
 FAST_DTYPES = frozenset(DTYPE_CODES[n] for n in (
     "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32", "float64"))
@@ -59,10 +54,16 @@ OP_CODES = {op: i for i, op in enumerate(OPS)}
 log = logging.getLogger("hpctrain.comm")
 HEADER = struct.Struct("8q")  # the 7 header fields of guard.make_header, padded to 64 bytes
 ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
-# Zero-copy all-reduces whose window data (all local slots together) exceed this write their
-# results with streaming stores: no read-for-ownership of lines they overwrite, a third less
-# memory traffic — but the result is not left in cache, which only pays beyond L3.
-STREAMING_BYTES = int(os.environ.get("HPCTRAIN_SHM_STREAMING_BYTES", str(48 << 20)))
+
+
+def streaming_bytes() -> int:
+    """HPCTRAIN_SHM_STREAMING_BYTES (default 48 MiB): zero-copy all-reduces whose window data
+    (all local slots together) exceed this write their results with streaming stores: no
+    read-for-ownership of lines they overwrite, a third less memory traffic — but the result
+    is not left in cache, which only pays beyond L3."""
+    return settings.rc.shm_streaming_bytes
+
+
 # Larger all-reduces on one node stream through the data slots in segments of up to this
 # size (capped by the slot; staging that stays in L2): 256 KiB segments beat 128 KiB ones at
 # 2 ranks from 512 KiB to 64 MiB on the machine this was tuned on.
@@ -86,7 +87,7 @@ def reduce_to_all(targets, sources, count: int, dtype_code: int, op: str, ranks:
 
 
 def available() -> bool:
-    return _shmsync is not None and os.environ.get("HPCTRAIN_SHM_FLAGS", "1") != "0"
+    return _shmsync is not None and settings.rc.shm_flags
 
 
 class NodeFlags:

@@ -21,9 +21,10 @@ Pure: no MPI, no clocks; the caller times the calls and reports them with ``reco
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, Sequence, Tuple
+
+from .. import settings
 
 # How often the best candidate is challenged: every EXPLORE_EVERY calls while the others were
 # last measured close to it, up to every EXPLORE_MAX calls for a candidate measured 4× slower
@@ -52,7 +53,7 @@ WEIGHT = 0.3  # weight of the newest timing in the running candidate's estimate
 
 def enabled() -> bool:
     """HPCTRAIN_AUTOTUNE=0 turns run-time tuning off: ``auto`` then uses the fixed thresholds."""
-    return os.environ.get("HPCTRAIN_AUTOTUNE", "1") != "0"
+    return settings.rc.autotune
 
 
 @dataclass

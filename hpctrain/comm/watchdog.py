@@ -6,11 +6,12 @@ waits of all threads; mpi4py releases the GIL while blocked in MPI, so the threa
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Union
+
+from .. import settings
 
 Text = Union[str, Callable[[], str]]  # messages are built only when a stall is reported
 
@@ -22,17 +23,10 @@ def text(what: Text) -> str:
 def suffixed(what: Text, suffix: str) -> Callable[[], str]:
     return lambda: text(what) + suffix
 
-DEFAULT_TIMEOUT_S = 300.0
-
 
 def stall_timeout() -> float:
     """Seconds from HPCTRAIN_STALL_TIMEOUT (default 300; 0 disables the watchdog)."""
-    raw = os.environ.get("HPCTRAIN_STALL_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"HPCTRAIN_STALL_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    return max(value, 0.0)
+    return settings.rc.stall_timeout
 
 
 class Wait:

@@ -11,7 +11,8 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from . import launcher
+from .. import settings
+from . import guard, launcher
 from .asyncq import drain
 from .errors import CommError, NotInitializedError
 from .guard import agree, make_header
@@ -124,6 +125,8 @@ def init(check_slurm: bool = True) -> "Group":
     with _init_lock:
         if _state["world"] is not None:
             return _state["world"]
+        settings.check_all()  # a bad HPCTRAIN_* value stops every rank here, before any MPI call
+        guard.load_setting()
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"  # the watchdog and async ops use threads
@@ -276,7 +279,7 @@ def abort_job(code: int = 1) -> None:
 def _install_excepthook() -> None:
     """An uncaught exception on any rank aborts the whole job (instead of the other ranks
     hanging in their next collective). Set HPCTRAIN_ABORT_ON_EXCEPTION=0 to keep Python's hook."""
-    if os.environ.get("HPCTRAIN_ABORT_ON_EXCEPTION", "1") == "0":
+    if not settings.rc.abort_on_exception:
         return
     previous = sys.excepthook
 

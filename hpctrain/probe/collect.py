@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from hpctrain import settings
+
 from .facts import (CpuFacts, DiskFacts, GpuFacts, GpuInventory, InfinibandPort, LauncherFacts, MemoryFacts,
                     MpiFacts, NetInterface, NetworkFacts, NumaNode, RankFacts, SlurmFacts)
 
@@ -500,7 +502,7 @@ def collect_facts(work_dir: Optional[str] = None, checkpoint_dir: Optional[str] 
         local_rank = launcher.env_local_rank if launcher.env_local_rank is not None else 0
         local_size = launcher.env_local_size if launcher.env_local_size is not None else 1
     work = work_dir or os.getcwd()
-    ckpt = checkpoint_dir or env.get("HPCTRAIN_CHECKPOINT_DIR")
+    ckpt = checkpoint_dir or settings.read("checkpoint_dir", env)
     disks = [collect_disk("work", work)] + ([collect_disk("checkpoint", ckpt)] if ckpt else [])
     try:
         import torch

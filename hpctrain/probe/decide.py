@@ -10,6 +10,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from hpctrain.settings import parse_size
+
 from .facts import GpuFacts, RankFacts
 
 LR_RULES = ("linear", "sqrt", "none")
@@ -25,16 +27,9 @@ def format_bytes(n: Optional[float]) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """'2GiB' → 2147483648, '500MB' → 500000000, '1.5G' → 1.5 GiB, '4096' → 4096."""
-    import re
-
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
-             "tib": 1 << 40}
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in units:
-        raise ValueError(f"cannot read memory size {text!r}; examples: 2GiB, 512MiB, 1.5G, 8000000000")
-    value = int(float(m.group(1)) * units[m.group(2).lower()])
+    """A positive memory size: '2GiB' → 2147483648, '500MB' → 500 MiB, '1.5G' → 1.5 GiB,
+    '4096' → 4096 (:func:`hpctrain.settings.parse_size`: every unit a power of 1024)."""
+    value = parse_size(text)
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return value

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from typing import Any, Dict, Optional
 
 import torch
 
-from hpctrain import comm
+from hpctrain import comm, settings
 
 from . import staging
 
@@ -136,7 +135,7 @@ def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
         return
     comm.init()
     host = None
-    override = os.environ.get("HPCTRAIN_RENDEZVOUS_ADDR")
+    override = settings.rc.rendezvous_addr
     if override:
         host = override
     store = comm.rendezvous_store(host, timeout_s=timeout_s)
@@ -219,7 +218,7 @@ class _HorovodWork:
 
 def get_backend(name: Optional[str] = None) -> Backend:
     """The backend called ``name`` (default: ``HPCTRAIN_BACKEND`` or ``mpi``), created once."""
-    name = (name or os.environ.get("HPCTRAIN_BACKEND") or "mpi").lower()
+    name = (name or settings.rc.backend).lower()
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}: expected one of {', '.join(BACKENDS)}")
     if name not in _cache:

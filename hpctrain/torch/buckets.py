@@ -27,10 +27,11 @@ buffer can come from any allocator: plain memory, or the node's shared-memory wi
 from __future__ import annotations
 
 import hashlib
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from hpctrain import settings
+from hpctrain.settings import parse_size as parse_bytes  # the one size rule, under its old name here
 
 __all__ = [
     "DEFAULT_FUSION_THRESHOLD",
@@ -165,30 +166,10 @@ class BucketPlan:
         return self.where[param_index]
 
 
-def parse_bytes(text: str) -> int:
-    """``"4194304"``, ``"4MiB"``, ``"64 MB"``, ``"0"`` -> bytes. Raises ValueError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(text), flags=re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a byte count; expected e.g. 4194304, 4MiB or 64MB")
-    value = float(m.group(1))
-    unit = (m.group(2) or "").upper().rstrip("B")
-    scale = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-             "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}[unit]
-    return int(value * scale)
-
-
 def fusion_threshold_from_env(env: Optional[Mapping[str, str]] = None) -> int:
-    """The fusion threshold in bytes: ``HPCTRAIN_FUSION_THRESHOLD`` or the default (4 MiB)."""
-    env = os.environ if env is None else env
-    raw = env.get("HPCTRAIN_FUSION_THRESHOLD")
-    if raw is None or raw.strip() == "":
-        return DEFAULT_FUSION_THRESHOLD
-    try:
-        value = parse_bytes(raw)
-    except ValueError as exc:
-        raise ValueError(f"HPCTRAIN_FUSION_THRESHOLD={raw!r}: {exc}\n"
-                         "HINT: give bytes, e.g. HPCTRAIN_FUSION_THRESHOLD=4194304 (or 4MiB); 0 disables fusion") from None
-    return value
+    """The fusion threshold in bytes: ``HPCTRAIN_FUSION_THRESHOLD`` (of ``env``, default this
+    process's environment) or the default (4 MiB)."""
+    return settings.rc.fusion_threshold if env is None else settings.read("fusion_threshold", env)
 
 
 def split_into_groups(n: int, num_groups: int) -> List[range]:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from hpctrain import comm
+from hpctrain import comm, settings
 
 from . import buckets as bk
 from .backends import Backend, MPIBackend, get_backend
@@ -75,17 +75,6 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _env_flag(name: str, default: Optional[bool]) -> Optional[bool]:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    if raw.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r}: expected 1 or 0")
-
-
 def _default_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(numel, dtype=dtype, device=device)
 
@@ -102,7 +91,7 @@ def shared_window_allocator(numel: int, dtype: torch.dtype, device: torch.device
 def use_shared_buckets(backend_name: str, strategy: "Strategy", device: torch.device) -> bool:
     """Shared-window buckets by default where they apply: the MPI backend on CPU tensors, several
     ranks all on one node, the all-reduce strategy. HPCTRAIN_SHARED_BUCKETS=0 turns them off."""
-    if os.environ.get("HPCTRAIN_SHARED_BUCKETS", "1") == "0":
+    if not settings.rc.shared_buckets:
         return False
     return (backend_name == "mpi" and device.type == "cpu" and isinstance(strategy, AllReduce)
             and comm.size() > 1 and comm.cross_size() == 1)
@@ -203,7 +192,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         specs: List[bk.ParamSpec] = []
         threshold = 0
         group_indices: Optional[List[List[int]]] = None
-        backend_name = (backend or os.environ.get("HPCTRAIN_BACKEND") or "mpi").lower()
+        backend_name = (backend or settings.rc.backend).lower()
         try:
             self._op = _resolve_op(None, op)
             if gradient_predivide_factor != 1.0 and self._op != ReduceOp.Average:
@@ -273,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._no_sync_depth = 0
         self._hook_handles: List[Any] = []
         if overlap is None:
-            env = _env_flag("HPCTRAIN_OVERLAP", None)
+            env = settings.rc.overlap
             overlap = env if env is not None else choose_overlap(_usable_cores(), os.cpu_count() or 1,
                                                                  comm.local_size(), torch.get_num_threads())
         self._overlap = bool(overlap)

@@ -14,29 +14,23 @@ the agreement check reports ranks that do not.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
 
-from hpctrain import comm
+from hpctrain import comm, settings
 
 log = logging.getLogger("hpctrain.torch")
 
 ENV = "HPCTRAIN_CUDA_AWARE_MPI"
-_CHOICES = {"1": True, "on": True, "yes": True, "true": True,
-            "0": False, "off": False, "no": False, "false": False, "auto": None, "": None}
 _state = {"logged": False, "cuda_aware": None}
 
 
-def cuda_aware_override(environ=os.environ) -> Optional[bool]:
+def cuda_aware_override(environ=None) -> Optional[bool]:
     """``HPCTRAIN_CUDA_AWARE_MPI``: True (1), False (0) or None (auto, the default)."""
-    raw = environ.get(ENV, "auto")
-    try:
-        return _CHOICES[raw.strip().lower()]
-    except KeyError:
-        raise ValueError(f"{ENV}={raw!r} is not a valid value; expected 0, 1 or auto.\n"
-                         f"HINT: unset {ENV} to follow the MPI library's own answer (auto)") from None
+    if environ is None:
+        return settings.rc.cuda_aware_mpi
+    return settings.read("cuda_aware_mpi", environ)
 
 
 def cuda_aware_mpi() -> bool:

@@ -90,8 +90,8 @@ def test_ring_segments_around_chunk_boundaries(monkeypatch, ring, op, dtype):
         skip_or_fail("mpiring", "the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
     itemsize = np.dtype(dtype).itemsize
     seg = 5
-    monkeypatch.setattr(algorithms, "RING_SEGMENT_BYTES", seg * itemsize)
-    monkeypatch.setattr(mpiring, "SEGMENT_BYTES", seg * itemsize)
+    monkeypatch.setattr(algorithms, "ring_segment_bytes", lambda: seg * itemsize)  # below the variable's minimum
+    monkeypatch.setattr(mpiring, "segment_bytes", lambda: seg * itemsize)
     monkeypatch.setattr(mpiring, "ENABLED", ring == "c")
     lengths = sorted({N * seg - 1, N * seg, N * seg + 1, N * (seg + 1) - 1, N * (seg + 1), N * (seg + 1) + 1,
                       N * seg * 3 + 2, N * seg * (algorithms.RING_SLOTS + 3) + N - 1, 997})
@@ -107,18 +107,19 @@ def test_ring_segments_around_chunk_boundaries(monkeypatch, ring, op, dtype):
         assert_same_on_every_rank(out)
 
 
-def test_one_rank_without_the_c_ring_keeps_every_rank_on_the_python_ring(monkeypatch):
+def test_one_rank_without_the_c_ring_keeps_every_rank_on_the_python_ring():
     """HPCTRAIN_RING_C=0 (or no extension) on one rank: the communicator's first ring agrees
     on the Python ring for all, instead of ranks exchanging different messages."""
+    from hpctrain import settings
     from hpctrain.comm import mpiring
 
-    monkeypatch.setattr(mpiring, "_ENV_ENABLED", mpiring._ENV_ENABLED and R != N - 1)
-    sub = comm.new_group(list(range(N)))  # a fresh communicator: a fresh agreement
-    x = local_data(100_003, "float32", R)
-    out = comm.allreduce(x, algorithm="ring", group=sub)
-    np.testing.assert_allclose(out, reference(x, "sum"), rtol=1e-5, atol=1e-5)
-    assert_same_on_every_rank(out)
-    assert mpiring.usable(sub.ring_comm) is (N == 1 and mpiring.available())
+    with settings.override(ring_c=settings.rc.ring_c and R != N - 1):
+        sub = comm.new_group(list(range(N)))  # a fresh communicator: a fresh agreement
+        x = local_data(100_003, "float32", R)
+        out = comm.allreduce(x, algorithm="ring", group=sub)
+        np.testing.assert_allclose(out, reference(x, "sum"), rtol=1e-5, atol=1e-5)
+        assert_same_on_every_rank(out)
+        assert mpiring.usable(sub.ring_comm) is (N == 1 and mpiring.available())
     sub.free()
 
 
@@ -420,19 +421,12 @@ def test_tuner_learns_on_local_rank_0_only():
 def test_autotune_is_agreed_when_a_group_is_made():
     """HPCTRAIN_AUTOTUNE off on one rank switches the run-time choice off for the whole node,
     so that no rank waits in a decision exchange the others never enter."""
-    import os
+    from hpctrain import settings
 
     g = comm.world()
-    assert g.autotune == (g.node_flags is not None and os.environ.get("HPCTRAIN_AUTOTUNE", "1") != "0")
-    saved = os.environ.get("HPCTRAIN_AUTOTUNE")
-    os.environ["HPCTRAIN_AUTOTUNE"] = "0" if R == N - 1 else "1"
-    try:
+    assert g.autotune == (g.node_flags is not None and settings.rc.autotune)
+    with settings.override(autotune=R != N - 1):
         sub = comm.new_group(list(range(N)))
-    finally:
-        if saved is None:
-            del os.environ["HPCTRAIN_AUTOTUNE"]
-        else:
-            os.environ["HPCTRAIN_AUTOTUNE"] = saved
     assert sub.autotune is False
     x = np.full(300_000, R + 1.0, dtype=np.float32)
     comm.allreduce_(x, group=sub)  # the fixed choice, on every rank

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hpctrain import comm
+from require import skip_or_fail
 
 RANKS = (2, 3)
 TIMEOUT = 300
@@ -106,9 +107,7 @@ def test_min_max_propagate_nan_on_every_algorithm(monkeypatch, algo, op, dtype):
     from hpctrain.comm import mpiring
 
     if algo == "ring-c" and not mpiring.available():
-        if os.environ.get("HPCTRAIN_REQUIRE_SHMSYNC") == "1":
-            pytest.fail("the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
-        pytest.skip("the C ring (hpctrain.comm._mpiring) is not built here")
+        skip_or_fail("mpiring", "the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
     monkeypatch.setattr(mpiring, "ENABLED", algo != "ring-python")
     for length in (7, 70_001, 300_000):  # a flag exchange; piped / windowed; tuned
         x = nan_data(R, length, dtype)

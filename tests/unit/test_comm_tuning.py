@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from hpctrain import settings
 from hpctrain.comm import plan, tuning
 
 ONE_NODE = plan.topology_from_keys(["a", "a"])
@@ -124,9 +125,13 @@ def test_size_class_is_log2_rounded_up(nbytes, expected):
 
 def test_enabled_reads_the_environment(monkeypatch):
     monkeypatch.setenv("HPCTRAIN_AUTOTUNE", "0")
+    settings.reset()
     assert not tuning.enabled()
     monkeypatch.setenv("HPCTRAIN_AUTOTUNE", "1")
+    settings.reset()
     assert tuning.enabled()
+    monkeypatch.delenv("HPCTRAIN_AUTOTUNE")
+    settings.reset()
 
 
 @pytest.mark.parametrize("nbytes, topo, small, pipes, expected", [

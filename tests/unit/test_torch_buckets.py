@@ -87,7 +87,7 @@ def test_fusion_threshold_env():
     assert fusion_threshold_from_env({"HPCTRAIN_FUSION_THRESHOLD": "0"}) == 0
     with pytest.raises(ValueError, match="HINT"):
         fusion_threshold_from_env({"HPCTRAIN_FUSION_THRESHOLD": "lots"})
-    assert parse_bytes("2 MB") == 2_000_000
+    assert parse_bytes("2 MB") == 2 << 20  # every unit a power of 1024
 
 
 def test_split_into_groups():
