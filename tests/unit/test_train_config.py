@@ -47,7 +47,7 @@ def test_unknown_nested_key_lists_section_keys():
     ({"sync": {"strategy": "gossip"}}, "sync.strategy"),
     ({"sync": {"compression": "int8"}}, "sync.compression"),
     ({"sync": {"backward_passes_per_step": 0}}, "backward_passes_per_step"),
-    ({"eval": {"metrics": ["f1"]}}, "eval.metrics"),
+    ({"eval": {"metrics": ["f2"]}}, "eval.metrics"),
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
     ({"lr_scaling": "cubic"}, "lr_scaling"),
     ({"on_nan": "ignore"}, "on_nan"),
