@@ -7,6 +7,8 @@ import pytest
 
 from mpirun import ROOT, mpi_env, python_argv, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 
 def run(code_or_args, env: dict) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-c", code_or_args] if isinstance(code_or_args, str) else [sys.executable, *code_or_args]

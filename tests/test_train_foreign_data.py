@@ -11,6 +11,8 @@ import pytest
 
 from mpirun import python_argv, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 HPCTRAIN = python_argv("-m", "hpctrain.cli.main")
 N = 400
 

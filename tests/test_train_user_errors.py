@@ -12,6 +12,8 @@ import pytest
 
 from mpirun import ROOT, mpi_env, python_argv, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 HPCTRAIN = python_argv("-m", "hpctrain.cli.main")
 
 

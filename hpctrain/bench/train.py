@@ -427,128 +427,151 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; rank 0 prints the table."""
     comm.init()
     torch.set_num_threads(max(1, args.threads))
-    size, rank = comm.size(), comm.rank()
+    bench = TrainBench(args)
     try:
-        models = parse_list(args.models, MODELS, "model")
-        wanted = parse_list(args.competitors, COMPETITORS, "competitor")
-        rank_counts = parse_ranks(args.ranks, size)
-        phases = plan_phases(rank_counts, models, wanted, args.repeats)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    env = environment(args.threads)
-    if "horovod" in wanted and horovod_module() is None:
-        if rank == 0:
-            print("  horovod: not importable, skipped", flush=True)
-        phases = [p for p in phases if p.competitor != "horovod"]
-        wanted = [c for c in wanted if c != "horovod"]
+        for ph in bench.phases:
+            bench.run_phase(ph)
+        bench.measure_comm_alone(horovod=False)
+        bench.measure_comm_alone(horovod=True)
+    finally:
+        bench.close()
+    return bench.report()
 
-    # Groups for the 1-rank rows (rank 0 alone); every rank takes part in creating them.
-    solo = comm.new_group([0]) if size > 1 and 1 in rank_counts else None
-    ddp_groups: Dict[int, Any] = {}
-    if "ddp-gloo" in wanted:
+
+class TrainBench:
+    """One run of ``hpctrain bench train``: its phases, runners and per-rank results."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.size, self.rank = comm.size(), comm.rank()
+        try:
+            models = parse_list(args.models, MODELS, "model")
+            self.wanted = parse_list(args.competitors, COMPETITORS, "competitor")
+            self.rank_counts = parse_ranks(args.ranks, self.size)
+            self.phases = plan_phases(self.rank_counts, models, self.wanted, args.repeats)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        self.env = environment(args.threads)
+        if "horovod" in self.wanted and horovod_module() is None:
+            if self.rank == 0:
+                print("  horovod: not importable, skipped", flush=True)
+            self.phases = [p for p in self.phases if p.competitor != "horovod"]
+            self.wanted = [c for c in self.wanted if c != "horovod"]
+        # Groups for the 1-rank rows (rank 0 alone); every rank takes part in creating them.
+        self.solo = comm.new_group([0]) if self.size > 1 and 1 in self.rank_counts else None
+        self.ddp_groups = self._ddp_groups()
+        self.runners: Dict[Tuple[int, str, str], Runner] = {}
+        self.results: Dict[Tuple[int, str, str], List[Dict[str, List[float]]]] = {}
+        self.comm_times: Dict[Tuple[int, str, str], Optional[float]] = {}
+        self.hvd: Any = None
+        self.hvd_solo: Any = None
+
+    def _ddp_groups(self) -> Dict[int, Any]:
+        if "ddp-gloo" not in self.wanted:
+            return {}
         import torch.distributed as dist
         from hpctrain.torch.backends import init_torch_distributed
 
         init_torch_distributed("gloo")
-        ddp_groups = {size: None}
-        if 1 in rank_counts and size > 1:
-            ddp_groups[1] = dist.new_group([0])
-        elif 1 in rank_counts:
-            ddp_groups[1] = None
+        groups: Dict[int, Any] = {self.size: None}
+        if 1 in self.rank_counts:
+            groups[1] = dist.new_group([0]) if self.size > 1 else None
+        return groups
 
-    runners: Dict[Tuple[int, str, str], Runner] = {}
-    results: Dict[Tuple[int, str, str], List[Dict[str, List[float]]]] = {}
-    hvd: Any = None
-    hvd_solo: Any = None
-
-    def make(ph: Phase) -> Runner:
-        group = solo if ph.ranks == 1 and size > 1 else None
+    def make(self, ph: Phase) -> Runner:
+        args, size = self.args, self.size
+        group = self.solo if ph.ranks == 1 and size > 1 else None
         if ph.competitor == "plain":
             return Plain(ph.model, args, group)
         if ph.competitor.startswith("hpctrain"):
             overlap = {"hpctrain": None, "hpctrain-overlap": True, "hpctrain-sync": False}[ph.competitor]
             return Hpctrain(ph.model, args, group, overlap)
         if ph.competitor == "ddp-gloo":
-            return DDPGloo(ph.model, args, ddp_groups[ph.ranks])
-        return Horovod(ph.model, args, hvd, hvd_solo if ph.ranks == 1 and size > 1 else hvd.global_process_set)
+            return DDPGloo(ph.model, args, self.ddp_groups[ph.ranks])
+        hvd = self.hvd
+        return Horovod(ph.model, args, hvd, self.hvd_solo if ph.ranks == 1 and size > 1 else hvd.global_process_set)
 
-    comm_times: Dict[Tuple[int, str, str], Optional[float]] = {}
+    def measure_comm_alone(self, horovod: bool) -> None:
+        """N-rank rows only; the others' before Horovod starts (its thread slows other MPI)."""
+        for key, runner in sorted(self.runners.items()):
+            if key[0] == self.size > 1 and (key[2] == "horovod") == horovod and key not in self.comm_times:
+                self.comm_times[key] = runner.comm_alone()
 
-    def measure_comm_alone(horovod: bool) -> None:
-        # N-rank rows only; the others' before Horovod starts (its thread slows other MPI).
-        for key, runner in sorted(runners.items()):
-            if key[0] == size > 1 and (key[2] == "horovod") == horovod and key not in comm_times:
-                comm_times[key] = runner.comm_alone()
+    def start_horovod(self) -> None:
+        """Horovod keeps the world of its first init() for the life of the process (a second
+        init() after shutdown() does not change it), so one init serves both row kinds: the
+        1-rank rows use a process set of rank 0 (Horovod's optimizer then still registers its
+        hooks, as the world has several ranks; a 1-process Horovod job would skip them)."""
+        self.measure_comm_alone(horovod=False)
+        comm.barrier()
+        hvd = self.hvd = horovod_module()
+        if self.size > 1 and 1 in self.rank_counts:
+            self.hvd_solo = hvd.ProcessSet([0])
+            hvd.init(process_sets=[self.hvd_solo])
+        else:
+            hvd.init()
+        if hvd.size() != self.size:
+            raise RuntimeError(f"bench train: Horovod sees {hvd.size()} rank(s), this run has {self.size}; it was "
+                               "initialized earlier in this process with another world.\nHINT: run the "
+                               "benchmark in a fresh process")
 
-    for ph in phases:
+    def run_phase(self, ph: Phase) -> None:
         key = (ph.ranks, ph.model, ph.competitor)
-        if ph.competitor == "horovod" and hvd is None:
-            # Horovod keeps the world of its first init() for the life of the process (a second
-            # init() after shutdown() does not change it), so one init serves both row kinds:
-            # the 1-rank rows use a process set of rank 0 (Horovod's optimizer then still
-            # registers its hooks, as the world has several ranks; a 1-process Horovod job
-            # would skip them).
-            measure_comm_alone(horovod=False)
-            comm.barrier()
-            hvd = horovod_module()
-            if size > 1 and 1 in rank_counts:
-                hvd_solo = hvd.ProcessSet([0])
-                hvd.init(process_sets=[hvd_solo])
-            else:
-                hvd.init()
-            if hvd.size() != size:
-                raise RuntimeError(f"bench train: Horovod sees {hvd.size()} rank(s), this run has {size}; it was "
-                                   "initialized earlier in this process with another world.\nHINT: run the "
-                                   "benchmark in a fresh process")
-        if ph.ranks == size or rank == 0:  # 1-rank rows: rank 0 alone, the others wait below
-            if key not in runners:
-                runners[key] = make(ph)
-            warmup = args.warmup if key not in results else max(1, args.warmup // 2)
-            if ph.ranks == size:
+        if ph.competitor == "horovod" and self.hvd is None:
+            self.start_horovod()
+        if ph.ranks == self.size or self.rank == 0:  # 1-rank rows: rank 0 alone, the others wait below
+            if key not in self.runners:
+                self.runners[key] = self.make(ph)
+            warmup = self.args.warmup if key not in self.results else max(1, self.args.warmup // 2)
+            if ph.ranks == self.size:
                 comm.barrier()
-            sample = runners[key].time(args.steps, warmup)
-            results.setdefault(key, []).append(sample)
-            if rank == 0:
+            sample = self.runners[key].time(self.args.steps, warmup)
+            self.results.setdefault(key, []).append(sample)
+            if self.rank == 0:
                 print(f"  {ph.ranks} rank(s) {ph.model:4} {ph.competitor:16} repeat {ph.repeat + 1}: step "
                       f"{statistics.median(sample['step_s']) * 1e3:8.1f} ms (rank 0)", flush=True)
         comm.barrier()
-    measure_comm_alone(horovod=False)
-    measure_comm_alone(horovod=True)
-    if hvd is not None:
-        for key in [k for k in runners if k[2] == "horovod"]:
-            runners[key].close()
-        hvd.shutdown()
-    for key, runner in runners.items():
-        runner.close()
-    if "ddp-gloo" in wanted:
-        import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self) -> None:
+        if self.hvd is not None:
+            for key in [k for k in self.runners if k[2] == "horovod"]:
+                self.runners[key].close()
+            self.hvd.shutdown()
+        for runner in self.runners.values():
+            runner.close()
+        if "ddp-gloo" in self.wanted:
+            import torch.distributed as dist
 
-    # Every rank's per-step lists to rank 0, which takes the slowest rank per repeat.
-    everyone = comm.allgather_object({"results": results, "comm": comm_times,
-                                      "info": {k: r.info for k, r in runners.items()}})
-    if rank != 0:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def report(self) -> int:
+        """Every rank's per-step lists to rank 0, which takes the slowest rank per repeat."""
+        everyone = comm.allgather_object({"results": self.results, "comm": self.comm_times,
+                                          "info": {k: r.info for k, r in self.runners.items()}})
+        if self.rank != 0:
+            return 0
+        records = [self._row(key, everyone) for key in self._ordered_keys()]
+        self.env["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
+        print_table(records, self.size, self.env)
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump({"environment": self.env, "rows": records}, f, indent=1)
+            print(f"wrote {self.args.json}")
         return 0
-    records: List[Dict[str, Any]] = []
-    order = {c: i for i, c in enumerate(COMPETITORS)}
-    keys = sorted(results, key=lambda k: (k[0], MODELS.index(k[1]), order[k[2]]))
-    for key in keys:
+
+    def _ordered_keys(self) -> List[Tuple[int, str, str]]:
+        order = {c: i for i, c in enumerate(COMPETITORS)}
+        return sorted(self.results, key=lambda k: (k[0], MODELS.index(k[1]), order[k[2]]))
+
+    def _row(self, key: Tuple[int, str, str], everyone: List[Dict[str, Any]]) -> Dict[str, Any]:
         ranks, model, competitor = key
         participants = [e["results"][key] for e in everyone if key in e["results"]]
         repeats = [combine([p[i] for p in participants]) for i in range(len(participants[0]))]
         row = summarize_repeats(repeats)
-        row.update(model=model, competitor=competitor, ranks=ranks, batch_per_rank=args.batch,
-                   samples_per_s=ranks * args.batch / row["step_s"])
+        row.update(model=model, competitor=competitor, ranks=ranks, batch_per_rank=self.args.batch,
+                   samples_per_s=ranks * self.args.batch / row["step_s"])
         times = [e["comm"].get(key) for e in everyone if e["comm"].get(key) is not None]
         row["comm_s"] = max(times) if times else None
         row.update(everyone[0]["info"].get(key, {}))
-        records.append(row)
-    env["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    print_table(records, size, env)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "rows": records}, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
+        return row

@@ -20,6 +20,7 @@ stage's data-parallel group.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -425,23 +426,8 @@ class PipelineModule:
                     x = chunks[m]
                 else:
                     x = inputs[m].clone() if self._clone_input else inputs[m]
-                if meter is not None:
-                    meter.begin([])
-                    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                        y = self.module(x)
-                        if self.is_last:
-                            loss = loss_fn(y, tchunks[m])
-                else:
-                    y = self.module(x)
-                    if self.is_last:
-                        loss = loss_fn(y, tchunks[m])
-                if not isinstance(y, torch.Tensor):
-                    raise TypeError(f"stage {self.stage} returned {type(y).__name__}; a pipeline stage must return "
-                                    "one tensor")
+                y, loss = self._forward_micro(x, tchunks[m] if self.is_last else None, loss_fn, meter)
                 if self.is_last:
-                    if loss.dim() != 0:
-                        raise ValueError(f"loss_fn returned shape {tuple(loss.shape)}; it must return a scalar "
-                                         "(the mean over the micro-batch)")
                     scaled = loss * (mrows / rows) if rows_weighted else loss
                     losses[m] = scaled
                     total_loss += scaled.detach().double().cpu()
@@ -497,6 +483,27 @@ class PipelineModule:
         self.last_stats = StepStats(step, compute, comm_time, peak_in_flight, meter.peak if meter else 0,
                                     float(loss_value))
         return loss_value
+
+    def _forward_micro(self, x: torch.Tensor, target: Any, loss_fn: LossFn,
+                       meter: Optional["_ActivationMeter"]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This stage's forward of one micro-batch (and the loss on the last stage), under the
+        activation meter when memory is tracked."""
+        hooks = (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
+                 else contextlib.nullcontext())
+        if meter is not None:
+            meter.begin([])
+        loss = None
+        with hooks:
+            y = self.module(x)
+            if self.is_last:
+                loss = loss_fn(y, target)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"stage {self.stage} returned {type(y).__name__}; a pipeline stage must return "
+                            "one tensor")
+        if loss is not None and loss.dim() != 0:
+            raise ValueError(f"loss_fn returned shape {tuple(loss.shape)}; it must return a scalar "
+                             "(the mean over the micro-batch)")
+        return y, loss
 
     @torch.no_grad()
     def evaluate(self, batch: Optional[torch.Tensor], targets: Any, loss_fn: LossFn, *,
