@@ -432,10 +432,14 @@ def _build(cls: type, data: Any, where: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
+        import difflib
+
         here = (where + ".") if where else ""
+        close = [f"{m[0]!r} for {k!r}" for k in unknown for m in [difflib.get_close_matches(str(k), names, n=1)] if m]
+        hint = ("did you mean " + ", ".join(close) if close else "remove it, or see docs/train.md for the keys")
         raise ConfigError(
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(repr(here + str(k)) for k in unknown)}; "
-            f"valid keys{' of ' + where if where else ''}: {', '.join(names)}")
+            f"valid keys{' of ' + where if where else ''}: {', '.join(names)}\nHINT: {hint}")
     kwargs = {}
     for name in names:
         if name not in data:
