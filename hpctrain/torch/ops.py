@@ -7,6 +7,7 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
 - ``name=`` is accepted and used in error messages only: collectives are matched by submission
   order (every rank must issue the same collectives in the same order), not by name.
 - ``op=Adasum`` raises NotImplementedError.
+- ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
 - ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
   while a rank has joined.
 - ``allgather``/``broadcast``/``alltoall``/``reducescatter`` "async" variants run when called
@@ -23,8 +24,10 @@ import torch
 from hpctrain import comm
 from hpctrain import comm as _comm  # for init(), whose argument is called comm as in Horovod
 
-from . import staging
+from . import agreement, staging
 from .compression import Compression
+from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from hpctrain.comm.errors import CollectiveMismatchError
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -38,6 +41,8 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "sparse_allreduce_async", "HorovodInternalError", "HostsUpdatedInterrupt",
     "synchronize", "poll", "join", "barrier",
 ]
 
@@ -164,18 +169,37 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     HPCTRAIN_MALLOC_TUNING=0): a script started by plain ``mpiexec``/``srun`` would otherwise
     fault its freed gradient blocks back in every step (measured: 4,080 faults per step,
     ~8 ms at ~2 us each, for the 10.5M-parameter MLP at 2 ranks)."""
-    if comm is not None:
-        raise NotImplementedError(
-            "hvd.init(comm=...) with a custom communicator is not supported; hpctrain always "
-            "starts on MPI_COMM_WORLD.\nHINT: call hvd.init() and use hvd.add_process_set(ranks) "
-            "for collectives over a subset of ranks")
     from hpctrain.malloc_tuning import tune_this_process
 
     tune_this_process()
     _comm.init()
+    if comm is not None:
+        _check_init_comm(comm)
     for ps in process_sets or ():
         if not ps._registered:
             add_process_set(ps)
+
+
+def _check_init_comm(communicator: Any) -> None:
+    """Accept Horovod's ``init(comm=...)`` forms that name every rank in world order: a list of
+    ranks, or an mpi4py communicator congruent with MPI_COMM_WORLD. Sub-communicators are
+    refused on every rank (they would need a world smaller than the MPI job)."""
+    world, me = comm.size(), comm.rank()
+    if isinstance(communicator, (list, tuple, range)):
+        ranks = [int(r) for r in communicator]
+        ok = ranks == list(range(world))
+        what = f"comm={ranks}"
+    elif hasattr(communicator, "Get_size") and hasattr(communicator, "allgather"):
+        ok = all(communicator.allgather(communicator.Get_size() == world and communicator.Get_rank() == me))
+        what = f"comm=<communicator of {communicator.Get_size()} ranks>"
+    else:
+        raise ValueError(f"hvd.init(comm={type(communicator).__name__}): expected a list of rank integers or an "
+                         "mpi4py.MPI.Comm object")
+    if not ok:
+        raise NotImplementedError(
+            f"hvd.init({what}): hpctrain runs on every rank of the MPI job in world order; a subset of ranks is "
+            f"not supported.\nHINT: call hvd.init() and use hvd.add_process_set(ranks) for collectives over a "
+            "subset of ranks")
 
 
 def shutdown() -> None:
@@ -298,7 +322,7 @@ def stop_timeline() -> None:
 class Handle:
     """Handle of an asynchronous operation: pass it to :func:`synchronize` or :func:`poll`."""
 
-    __slots__ = ("_inner", "_finish", "_result", "_finished", "name")
+    __slots__ = ("_inner", "_finish", "_result", "_finished", "name", "_pending_name")
 
     def __init__(self, inner: Any = None, finish: Optional[Callable[[Any], Any]] = None,
                  result: Any = None, name: str = "") -> None:
@@ -307,6 +331,7 @@ class Handle:
         self._result = result
         self._finished = inner is None and finish is None
         self.name = name
+        self._pending_name: Optional[str] = None
 
     def done(self) -> bool:
         """True when the operation has completed (``synchronize`` will not block)."""
@@ -315,11 +340,38 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation is done; return its result."""
         if not self._finished:
-            raw = self._inner.wait() if self._inner is not None else None
-            self._result = self._finish(raw) if self._finish is not None else raw
-            self._finished = True
-            self._inner = None
+            try:
+                raw = self._inner.wait() if self._inner is not None else None
+                self._result = self._finish(raw) if self._finish is not None else raw
+            except CollectiveMismatchError as e:
+                # Every rank of the collective gets this (the comm layer's verdict is shared).
+                raise _Mismatch(str(e)) from e
+            finally:
+                self._finished = True
+                self._inner = None
+                _pending_names.discard(self._pending_name)
         return self._result
+
+
+class _Mismatch(HorovodInternalError, CollectiveMismatchError):
+    """A mismatch found by the comm layer, raised as Horovod's type; still a ``comm.CommError``."""
+
+
+_pending_names: set = set()
+
+
+def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
+    """Horovod refuses an operation under a name that is still pending. Here a name is pending
+    from submission until its handle is synchronized, which is the same moment on every rank
+    (same calls in the same order), so every rank raises and nothing is submitted."""
+    if name and name in _pending_names:
+        raise ValueError(f"Requested to collective on a tensor named {name!r} that is still pending.\n"
+                         "HINT: synchronize() the earlier handle first, or give each operation its own name")
+    handle = start()
+    if name:
+        _pending_names.add(name)
+        handle._pending_name = name
+    return handle
 
 
 def synchronize(handle: Handle) -> Any:
@@ -364,6 +416,57 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     return tensor
 
 
+def _require_dims(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dim() == 0:
+        raise ValueError(f"{what} does not support scalar inputs; HINT: pass a tensor with at least one "
+                         "dimension (it works on rows of dim 0)")
+
+
+def _op_field(op: Any) -> Any:
+    """The requested reduction op as ranks compare it (None is the default, Average)."""
+    return int(ReduceOp.Average) if op is None else (int(op) if isinstance(op, int) else repr(op))
+
+
+def _negotiate(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[ProcessSet],
+               check: Callable[[], Any], **fields: Any) -> Any:
+    """Run the local argument check ``check``, then agree with the set's ranks on the call
+    (one small object allgather): when any rank's check failed or the calls differ, every rank
+    raises (its own ValueError where its arguments were wrong, HorovodInternalError on the
+    others) and none enters the collective, so the next collective works. Returns ``check()``."""
+    ps = process_set or global_process_set
+    group = ps._resolve()  # a non-member raises here, alone: the members do not expect it
+    err: Optional[Exception] = None
+    result = None
+    try:
+        result = check()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        err = e
+    if ps.size() > 1:
+        desc = agreement.describe(kind, tensors, **fields)
+        calls = comm.allgather_object((desc, None if err is None else f"{type(err).__name__}: {err}"), group=group)
+        outcome = agreement.verdict(kind, calls, ps.rank())
+        if outcome is not None and outcome[0] == "internal":
+            raise HorovodInternalError(outcome[1])
+    if err is not None:
+        raise err
+    return result
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _scale_(buf: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``buf`` by ``factor`` in place. Integer tensors are scaled as Horovod's
+    ScaleBuffer does: in double precision, then truncated toward zero to the tensor's dtype."""
+    if factor != 1.0:
+        if _is_float(buf):
+            buf.mul_(factor)
+        else:
+            buf.copy_((buf.double() * factor).to(buf.dtype))
+    return buf
+
+
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
                      name: str) -> Handle:
@@ -380,19 +483,15 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
         buf = host  # in place on the caller's CPU tensor: no copy at all
     else:
         buf = host.contiguous().clone()
-    scaled = prescale != 1.0 or postscale != 1.0
-    if prescale != 1.0:
-        buf.mul_(prescale)
-    comm_op = "sum" if (op == ReduceOp.Average and scaled) else _COMM_OPS[op]
+    # Horovod averages by summing and scaling by postscale/size; integer tensors take that path
+    # too, so their average truncates exactly as Horovod's does.
+    by_scaling = op == ReduceOp.Average and (prescale != 1.0 or postscale != 1.0 or not _is_float(buf))
+    _scale_(buf, prescale)
+    comm_op = "sum" if by_scaling else _COMM_OPS[op]
     inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True)
 
     def finish(_: Any) -> torch.Tensor:
-        factor = postscale / n if (op == ReduceOp.Average and scaled) else postscale
-        if factor != 1.0:
-            if buf.dtype.is_floating_point:
-                buf.mul_(factor)
-            else:
-                buf.copy_((buf.double() * factor).to(buf.dtype))
+        _scale_(buf, postscale / n if by_scaling else postscale)
         result = restore(compression.decompress(buf, ctx))
         if out is not None:
             if result.data_ptr() != out.data_ptr():
@@ -405,19 +504,25 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
 
 
 class _AllreduceFn(torch.autograd.Function):
+    """Horovod's HorovodAllreduce: the gradient is all-reduced with the forward's op and scale
+    factors, over the same process set."""
+
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, compression, process_set, name):  # type: ignore[override]
+    def forward(ctx, tensor, op, prescale, postscale, process_set, name):  # type: ignore[override]
         ctx.args = (op, prescale, postscale, process_set)
-        return _allreduce_start(tensor.detach(), op, prescale, postscale, compression, process_set, None, name).wait()
+        return _allreduce_start(tensor.detach(), op, prescale, postscale, Compression.none, process_set, None,
+                                name).wait()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         op, prescale, postscale, process_set = ctx.args
-        if op not in (ReduceOp.Average, ReduceOp.Sum):
-            raise RuntimeError("gradients of hvd.allreduce are defined for op=Average and op=Sum only")
         g = _allreduce_start(grad.contiguous(), op, prescale, postscale, Compression.none, process_set,
                              None, "allreduce.grad").wait()
-        return g, None, None, None, None, None, None
+        return g, None, None, None, None, None
+
+
+def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -433,8 +538,11 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     _require_init("hvd.allreduce")
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(average, op)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set, name or "")
+    if _wants_grad([tensor]):
+        # Compression outside the autograd function, as Horovod does: the cast is differentiable.
+        wire, cctx = compression.compress(tensor)
+        out = _AllreduceFn.apply(wire, op, prescale_factor, postscale_factor, process_set, name or "allreduce")
+        return compression.decompress(out, cctx)
     return _allreduce_start(tensor, op, prescale_factor, postscale_factor, compression, process_set,
                             None, name or "allreduce").wait()
 
@@ -446,8 +554,9 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
     _require_init("hvd.allreduce_async")
     _check_tensor(tensor, "allreduce_async")
-    return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
-                            compression, process_set, None, name or "allreduce")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
+                                                 compression, process_set, None, name or "allreduce"))
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -463,8 +572,9 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     _require_init("hvd.allreduce_async_")
     _check_tensor(tensor, "allreduce_async_")
-    return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
-                            Compression.none, process_set, tensor, name or "allreduce_")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
+                                                 Compression.none, process_set, tensor, name or "allreduce_"))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
@@ -515,13 +625,36 @@ class _AllOf:
             h.wait()
 
 
+class _GroupedAllreduceFn(torch.autograd.Function):
+    """Horovod's HorovodGroupedAllreduce: the gradients are grouped-all-reduced like the inputs."""
+
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, process_set, name, *tensors):  # type: ignore[override]
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(_grouped_start([t.detach() for t in tensors], op, prescale, postscale, Compression.none,
+                                    process_set, False, name).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        op, prescale, postscale, process_set = ctx.args
+        reduced = _grouped_start([g.contiguous() for g in grads], op, prescale, postscale, Compression.none,
+                                 process_set, False, "grouped_allreduce.grad").wait()
+        return (None, None, None, None, None, *reduced)
+
+
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = Compression.none, op: Optional[int] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
-    """All-reduce a list of tensors as one fused operation; returns new tensors."""
+    """All-reduce a list of tensors as one fused operation; returns new tensors (differentiable)."""
     _require_init("hvd.grouped_allreduce")
-    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
+    op = _resolve_op(average, op)
+    if _wants_grad(tensors):
+        wires, ctxs = zip(*[compression.compress(_check_tensor(t, "grouped_allreduce")) for t in tensors])
+        outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set,
+                                         name or "grouped_allreduce", *wires)
+        return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+    return _grouped_start(tensors, op, prescale_factor, postscale_factor,
                           compression, process_set, False, name or "grouped_allreduce").wait()
 
 
@@ -531,8 +664,9 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start :func:`grouped_allreduce`; ``synchronize`` returns the list of new tensors."""
     _require_init("hvd.grouped_allreduce_async")
-    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
-                          Compression.none, process_set, False, name or "grouped_allreduce")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
+                                               Compression.none, process_set, False, name or "grouped_allreduce"))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
@@ -548,34 +682,41 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place grouped all-reduce."""
     _require_init("hvd.grouped_allreduce_async_")
-    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
-                          Compression.none, process_set, True, name or "grouped_allreduce_")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
+                                               Compression.none, process_set, True, name or "grouped_allreduce_"))
 
 
 # --------------------------------------------------------------------------- allgather
 def _allgather_raw(tensor: torch.Tensor, process_set: Optional[ProcessSet]) -> torch.Tensor:
     host, restore = staging.to_host(tensor.detach())
-    if host.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
+    _require_dims(host, "allgather")
     return restore(comm.allgather(host.contiguous(), group=_group(process_set)))
 
 
+def _my_rows(dims: Sequence[int], process_set: Optional[ProcessSet]) -> Tuple[int, int]:
+    """Offset and count of this rank's rows in an allgather whose ranks sent ``dims`` rows."""
+    me = (process_set or global_process_set).rank()
+    return sum(dims[:me]), dims[me]
+
+
 class _AllgatherFn(torch.autograd.Function):
+    """Horovod's HorovodAllgather: the gradient is the *average* over the set of the output
+    gradients, narrowed to this rank's rows."""
+
     @staticmethod
     def forward(ctx, tensor, process_set):  # type: ignore[override]
         ctx.process_set = process_set
-        ctx.dim0 = tensor.shape[0]
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 0
         return _allgather_raw(tensor, process_set)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         ps = ctx.process_set
-        summed = _allreduce_start(grad.contiguous(), ReduceOp.Sum, 1.0, 1.0, Compression.none, ps, None,
-                                  "allgather.grad").wait()
-        dims = comm.allgather_object(ctx.dim0, group=_group(ps))
-        me = (ps or global_process_set).rank()
-        start = sum(dims[:me])
-        return summed[start:start + dims[me]], None
+        averaged = _allreduce_start(grad.contiguous(), ReduceOp.Average, 1.0, 1.0, Compression.none, ps, None,
+                                    "allgather.grad").wait()
+        start, count = _my_rows(comm.allgather_object(ctx.dim0, group=_group(ps)), ps)
+        return averaged.narrow(0, start, count), None
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
@@ -583,7 +724,8 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
     """Concatenate every rank's ``tensor`` on dim 0 (dim 0 may differ per rank); differentiable."""
     _require_init("hvd.allgather")
     _check_tensor(tensor, "allgather")
-    if tensor.requires_grad and torch.is_grad_enabled():
+    _negotiate("allgather", [tensor], process_set, lambda: _require_dims(tensor, "allgather"))
+    if _wants_grad([tensor]):
         return _AllgatherFn.apply(tensor, process_set)
     return _allgather_raw(tensor, process_set)
 
@@ -594,36 +736,95 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
     return Handle(result=allgather(tensor.detach(), name, process_set), name=name or "allgather")
 
 
+class _GroupedAllgatherFn(torch.autograd.Function):
+    """Horovod's HorovodGroupedAllgather: grouped average of the gradients, narrowed per tensor."""
+
+    @staticmethod
+    def forward(ctx, process_set, *tensors):  # type: ignore[override]
+        ctx.process_set = process_set
+        ctx.dims = [t.shape[0] if t.dim() else 0 for t in tensors]
+        return tuple(_allgather_raw(t, process_set) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ps = ctx.process_set
+        averaged = _grouped_start([g.contiguous() for g in grads], ReduceOp.Average, 1.0, 1.0, Compression.none,
+                                  ps, False, "grouped_allgather.grad").wait()
+        every = comm.allgather_object(ctx.dims, group=_group(ps))
+        out = []
+        for i, g in enumerate(averaged):
+            start, count = _my_rows([dims[i] for dims in every], ps)
+            out.append(g.narrow(0, start, count))
+        return (None, *out)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """:func:`allgather` of each tensor of a list; returns the list of results (differentiable)."""
+    _require_init("hvd.grouped_allgather")
+    tensors = [_check_tensor(t, "grouped_allgather") for t in tensors]
+    _negotiate("grouped_allgather", tensors, process_set,
+               lambda: [_require_dims(t, "grouped_allgather") for t in tensors])
+    if _wants_grad(tensors):
+        return list(_GroupedAllgatherFn.apply(process_set, *tensors))
+    return [_allgather_raw(t, process_set) for t in tensors]
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """:func:`grouped_allgather` behind a handle (runs when called)."""
+    return Handle(result=grouped_allgather([t.detach() for t in tensors], name, process_set),
+                  name=name or "grouped_allgather")
+
+
 # --------------------------------------------------------------------------- broadcast
+def _root_in_set(root_rank: int, process_set: Optional[ProcessSet], what: str = "broadcast") -> int:
+    """Position in the set of ``root_rank``, which is a *global* rank as in Horovod."""
+    ps = process_set or global_process_set
+    root = int(root_rank)
+    if ps.ranks is None:
+        if not 0 <= root < comm.size():
+            raise ValueError(f"{what}: root_rank={root} is outside 0..{comm.size() - 1}.\n"
+                             "HINT: pass the rank (hvd.rank()) of the process that holds the values")
+        return root
+    if root not in ps.ranks:
+        raise ValueError(f"{what}: root_rank={root} is not a member of {ps}.\n"
+                         "HINT: root_rank is a global rank (as in Horovod), and must be one of the set's ranks")
+    return ps.ranks.index(root)
+
+
 def _broadcast_raw(tensor: torch.Tensor, root_rank: int, process_set: Optional[ProcessSet]) -> torch.Tensor:
-    n = _group_size(process_set)
-    if not 0 <= int(root_rank) < n:
-        raise ValueError(f"root_rank={root_rank} is outside 0..{n - 1}")
+    root = _root_in_set(root_rank, process_set)
     host, restore = staging.to_host(tensor.detach())
-    return restore(comm.broadcast(host.contiguous(), root=int(root_rank), group=_group(process_set))).view(tensor.shape)
+    return restore(comm.broadcast(host.contiguous(), root=root, group=_group(process_set))).view(tensor.shape)
 
 
 class _BroadcastFn(torch.autograd.Function):
+    """Horovod's HorovodBroadcast: the root's gradient is the average over the set of the
+    output gradients; every other rank's gradient is zero."""
+
     @staticmethod
     def forward(ctx, tensor, root_rank, process_set):  # type: ignore[override]
-        ctx.root, ctx.process_set = root_rank, process_set
+        ctx.root, ctx.process_set = int(root_rank), process_set
         return _broadcast_raw(tensor, root_rank, process_set)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = _allreduce_start(grad.contiguous(), ReduceOp.Sum, 1.0, 1.0, Compression.none,
-                                  ctx.process_set, None, "broadcast.grad").wait()
-        if (ctx.process_set or global_process_set).rank() != ctx.root:
-            summed = torch.zeros_like(summed)
-        return summed, None, None
+        averaged = _allreduce_start(grad.contiguous(), ReduceOp.Average, 1.0, 1.0, Compression.none,
+                                    ctx.process_set, None, "broadcast.grad").wait()
+        if comm.rank() != ctx.root:
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable)."""
+    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable).
+    ``root_rank`` is a global rank, also with a process set (Horovod's convention)."""
     _require_init("hvd.broadcast")
     _check_tensor(tensor, "broadcast")
-    if tensor.requires_grad and torch.is_grad_enabled():
+    _negotiate("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), root=root_rank)
+    if _wants_grad([tensor]):
         return _BroadcastFn.apply(tensor, root_rank, process_set)
     return _broadcast_raw(tensor, root_rank, process_set)
 
@@ -633,6 +834,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
     """In-place broadcast: ``tensor`` takes ``root_rank``'s values; returns it."""
     _require_init("hvd.broadcast_")
     _check_tensor(tensor, "broadcast_")
+    _negotiate("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), root=root_rank)
     with torch.no_grad():
         tensor.copy_(_broadcast_raw(tensor, root_rank, process_set))
     return tensor
@@ -650,70 +852,195 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     return Handle(result=broadcast_(tensor, root_rank, name, process_set), name=name or "broadcast_")
 
 
-# --------------------------------------------------------------------------- alltoall, reducescatter
-def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
-             name: Optional[str] = None, process_set: ProcessSet = global_process_set
-             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Send ``splits[i]`` rows of dim 0 to rank i (even split when None); return the rows
-    received, concatenated in rank order — and, when ``splits`` is given, the received splits."""
-    _require_init("hvd.alltoall")
-    _check_tensor(tensor, "alltoall")
-    n = _group_size(process_set)
+# --------------------------------------------------------------------------- alltoall
+def _alltoall_splits(tensor: torch.Tensor, splits: Any, n: int) -> Optional[List[int]]:
     if splits is None:
         if tensor.dim() == 0 or tensor.shape[0] % n:
             raise ValueError(f"alltoall without splits needs dim 0 ({tuple(tensor.shape)[:1]}) divisible by "
                              f"the number of ranks ({n}).\nHINT: pass splits=[rows for rank 0, rows for rank 1, ...]")
-        split_list = None
-    else:
-        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
-            raise ValueError(f"alltoall splits {split_list}: expected {n} non-negative counts summing to "
-                             f"dim 0 of the tensor ({tensor.shape[0]})")
+        return None
+    split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+        raise ValueError(f"alltoall splits {split_list}: expected {n} non-negative counts summing to "
+                         f"dim 0 of the tensor ({tensor.shape[0]})")
+    return split_list
+
+
+def _alltoall_raw(tensor: torch.Tensor, split_list: Optional[List[int]],
+                  process_set: Optional[ProcessSet]) -> Tuple[torch.Tensor, torch.Tensor]:
     host, restore = staging.to_host(tensor.detach())
     out, received = comm.alltoall(host.contiguous(), splits=split_list, group=_group(process_set))
-    out = restore(out)
-    if splits is None:
-        return out
-    return out, torch.as_tensor(list(received), dtype=torch.int32)
+    return restore(out), torch.as_tensor(list(received), dtype=torch.int32)
+
+
+class _AlltoallFn(torch.autograd.Function):
+    """Horovod's HorovodAlltoall: the gradient goes back with an alltoall using the received
+    splits as send splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, split_list, process_set):  # type: ignore[override]
+        out, received = _alltoall_raw(tensor, split_list, process_set)
+        ctx.process_set, ctx.received = process_set, [int(r) for r in received.tolist()]
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):  # type: ignore[override]
+        back, _ = _alltoall_raw(grad.contiguous(), ctx.received, ctx.process_set)
+        return back, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
+             name: Optional[str] = None, process_set: ProcessSet = global_process_set
+             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Send ``splits[i]`` rows of dim 0 to rank i (even split when None); return the rows
+    received, concatenated in rank order — and, when ``splits`` is given, the received splits.
+    Differentiable."""
+    _require_init("hvd.alltoall")
+    _check_tensor(tensor, "alltoall")
+    split_list = _negotiate("alltoall", [tensor], process_set,
+                            lambda: _alltoall_splits(tensor, splits, _group_size(process_set)))
+    if _wants_grad([tensor]):
+        out, received = _AlltoallFn.apply(tensor, split_list, process_set)
+    else:
+        out, received = _alltoall_raw(tensor, split_list, process_set)
+    return out if splits is None else (out, received)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
                    name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Handle:
     """:func:`alltoall` behind a handle (runs when called)."""
-    return Handle(result=alltoall(tensor, splits, name, process_set), name=name or "alltoall")
+    return Handle(result=alltoall(tensor.detach(), splits, name, process_set), name=name or "alltoall")
+
+
+# --------------------------------------------------------------------------- reducescatter
+def _reducescatter_op(op: Optional[int]) -> ReduceOp:
+    op = _resolve_op(None, op)
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"reducescatter supports op=Average and op=Sum, got {op.name}")
+    return op
+
+
+def _reducescatter_raw(tensor: torch.Tensor, op: ReduceOp, process_set: Optional[ProcessSet],
+                       prescale: float, postscale: float) -> torch.Tensor:
+    """This rank's rows of the reduction: rows split as Horovod does (the first ``dim0 % size``
+    ranks of the set get one row more); Average is a Sum scaled by postscale/size."""
+    _require_dims(tensor, "reducescatter")
+    n = _group_size(process_set)
+    host, restore = staging.to_host(tensor.detach())
+    buf = _scale_(host.contiguous().clone(), prescale)
+    part = comm.reduce_scatter(buf, op="sum", group=_group(process_set))
+    return restore(_scale_(part, postscale / n if op == ReduceOp.Average else postscale))
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    """Horovod's HorovodReducescatter: the gradient is the allgather of the output gradient,
+    times the set size for Sum and times the scale factors."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, process_set, prescale, postscale):  # type: ignore[override]
+        ctx.args = (op, process_set, prescale, postscale)
+        return _reducescatter_raw(tensor, op, process_set, prescale, postscale)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        op, process_set, prescale, postscale = ctx.args
+        factor = (_group_size(process_set) if op == ReduceOp.Sum else 1) * prescale * postscale
+        return _allgather_raw(grad * factor if factor != 1 else grad, process_set), None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                   op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's rows of dim 0 (the first
-    ``dim0 % size`` ranks get one row more). ``op``: Average (default) or Sum."""
+    ``dim0 % size`` ranks get one row more). ``op``: Average (default) or Sum. Differentiable."""
     _require_init("hvd.reducescatter")
     _check_tensor(tensor, "reducescatter")
-    op = _resolve_op(None, op)
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ValueError(f"reducescatter supports op=Average and op=Sum, got {op.name}")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    n = _group_size(process_set)
-    host, restore = staging.to_host(tensor.detach())
-    wire, ctx = compression.compress(host)
-    buf = wire.contiguous().clone()
-    if prescale_factor != 1.0:
-        buf.mul_(prescale_factor)
-    part = comm.reduce_scatter(buf, op="sum", group=_group(process_set))
-    factor = postscale_factor / n if op == ReduceOp.Average else postscale_factor
-    if factor != 1.0:
-        part = part * factor if part.dtype.is_floating_point else (part.double() * factor).to(part.dtype)
-    return restore(compression.decompress(part, ctx))
+    op = _negotiate("reducescatter", [tensor], process_set,
+                    lambda: (_require_dims(tensor, "reducescatter"), _reducescatter_op(op))[1],
+                    op=_op_field(op), prescale=float(prescale_factor), postscale=float(postscale_factor))
+    wire, cctx = compression.compress(tensor)
+    if _wants_grad([tensor]):
+        part = _ReducescatterFn.apply(wire, op, process_set, prescale_factor, postscale_factor)
+    else:
+        part = _reducescatter_raw(wire, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(part, cctx)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                         op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """:func:`reducescatter` behind a handle (runs when called)."""
-    return Handle(result=reducescatter(tensor, name, compression, op, process_set, prescale_factor,
+    return Handle(result=reducescatter(tensor.detach(), name, compression, op, process_set, prescale_factor,
                                        postscale_factor), name=name or "reducescatter")
+
+
+class _GroupedReducescatterFn(torch.autograd.Function):
+    """Horovod's HorovodGroupedReducescatter: scaled output gradients, grouped-allgathered."""
+
+    @staticmethod
+    def forward(ctx, op, process_set, prescale, postscale, *tensors):  # type: ignore[override]
+        ctx.args = (op, process_set, prescale, postscale)
+        return tuple(_reducescatter_raw(t, op, process_set, prescale, postscale) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        op, process_set, prescale, postscale = ctx.args
+        factor = (_group_size(process_set) if op == ReduceOp.Sum else 1) * prescale * postscale
+        return (None, None, None, None, *[_allgather_raw(g * factor, process_set) for g in grads])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Any = Compression.none, op: Optional[int] = None,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """:func:`reducescatter` of each tensor of a list; returns the list of parts (differentiable)."""
+    _require_init("hvd.grouped_reducescatter")
+    tensors = [_check_tensor(t, "grouped_reducescatter") for t in tensors]
+    op = _negotiate("grouped_reducescatter", tensors, process_set,
+                    lambda: ([_require_dims(t, "reducescatter") for t in tensors], _reducescatter_op(op))[1],
+                    op=_op_field(op), prescale=float(prescale_factor), postscale=float(postscale_factor))
+    wires, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
+    if _wants_grad(tensors):
+        parts = _GroupedReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, *wires)
+    else:
+        parts = [_reducescatter_raw(w, op, process_set, prescale_factor, postscale_factor) for w in wires]
+    return [compression.decompress(p, c) for p, c in zip(parts, ctxs)]
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: Optional[int] = None, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """:func:`grouped_reducescatter` behind a handle (runs when called)."""
+    return Handle(result=grouped_reducescatter([t.detach() for t in tensors], name, Compression.none, op,
+                                               process_set, prescale_factor, postscale_factor),
+                  name=name or "grouped_reducescatter")
+
+
+# --------------------------------------------------------------------------- sparse
+class _CallableHandle(Handle):
+    """Horovod's sparse_allreduce_async returns a function that yields the result; this handle
+    is both that function and a handle for ``synchronize``/``poll``."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return self.wait()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Reduce a sparse COO tensor by allgathering its indices and values (Horovod's sparse
+    path): duplicates add up when the result is coalesced; op=Average divides the values by the
+    set size. Call the returned handle (or ``synchronize`` it) for the result."""
+    _require_init("hvd.sparse_allreduce_async")
+    t = tensor
+    indices = _allgather_raw(t._indices().transpose(0, 1).contiguous(), process_set)
+    values = _allgather_raw(t._values().contiguous(), process_set)
+    if _resolve_op(None, op) == ReduceOp.Average:
+        values = values / _group_size(process_set)
+    result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, t.size())
+    return _CallableHandle(result=result, name=f"{name}")
 
 
 # --------------------------------------------------------------------------- join, barrier
