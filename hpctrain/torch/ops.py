@@ -16,6 +16,10 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
+import itertools
+import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -24,7 +28,7 @@ import torch
 from hpctrain import comm
 from hpctrain import comm as _comm  # for init(), whose argument is called comm as in Horovod
 
-from . import agreement, staging
+from . import agreement, staging, timeline
 from .compression import Compression
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hpctrain.comm.errors import CollectiveMismatchError
@@ -311,18 +315,56 @@ def mpi_threads_supported() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Accepted for compatibility; hpctrain records timing with ``hpctrain bench`` instead."""
+    """Write a Chrome trace of this job's collectives to ``file_path`` (rank 0 writes it, as in
+    Horovod): one trace row per tensor name, one span per operation. ``mark_cycles`` is
+    accepted (hpctrain has no background cycle to mark)."""
+    _require_init("hvd.start_timeline")
+    if comm.rank() == 0:
+        timeline.start(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Accepted for compatibility (see :func:`start_timeline`)."""
+    """Stop writing the timeline started by :func:`start_timeline` and close its file."""
+    _require_init("hvd.stop_timeline")
+    timeline.stop()
+
+
+_trace_depth = threading.local()
+_trace_counter = itertools.count()
+
+
+def _traced(op_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Record the outermost public collective call on the timeline (no cost while none is
+    being written). An asynchronous call's span ends when its handle is synchronized."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if not timeline.active() or getattr(_trace_depth, "n", 0):
+                return fn(*args, **kwargs)
+            name = signature.bind_partial(*args, **kwargs).arguments.get("name") or \
+                f"{op_name.lower()}.noname.{next(_trace_counter)}"
+            t0 = time.time()
+            _trace_depth.n = 1
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _trace_depth.n = 0
+            if isinstance(result, Handle) and not result._finished:
+                result._trace = (name, op_name, t0)
+            else:
+                timeline.record(name, op_name, t0, time.time())
+            return result
+        return traced
+    return wrap
 
 
 # --------------------------------------------------------------------------- handles
 class Handle:
     """Handle of an asynchronous operation: pass it to :func:`synchronize` or :func:`poll`."""
 
-    __slots__ = ("_inner", "_finish", "_result", "_finished", "name", "_pending_name")
+    __slots__ = ("_inner", "_finish", "_result", "_finished", "name", "_pending_name", "_trace")
 
     def __init__(self, inner: Any = None, finish: Optional[Callable[[Any], Any]] = None,
                  result: Any = None, name: str = "") -> None:
@@ -332,6 +374,7 @@ class Handle:
         self._finished = inner is None and finish is None
         self.name = name
         self._pending_name: Optional[str] = None
+        self._trace: Optional[Tuple[str, str, float]] = None
 
     def done(self) -> bool:
         """True when the operation has completed (``synchronize`` will not block)."""
@@ -350,6 +393,8 @@ class Handle:
                 self._finished = True
                 self._inner = None
                 _pending_names.discard(self._pending_name)
+                if self._trace is not None:
+                    timeline.record(*self._trace, time.time())
         return self._result
 
 
@@ -525,6 +570,7 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+@_traced("ALLREDUCE")
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Any = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -547,6 +593,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
                             None, name or "allreduce").wait()
 
 
+@_traced("ALLREDUCE")
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
@@ -559,6 +606,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                                                  compression, process_set, None, name or "allreduce"))
 
 
+@_traced("ALLREDUCE")
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -566,6 +614,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@_traced("ALLREDUCE")
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
@@ -642,6 +691,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
         return (None, None, None, None, None, *reduced)
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = Compression.none, op: Optional[int] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -658,6 +708,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                           compression, process_set, False, name or "grouped_allreduce").wait()
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -669,6 +720,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                                                Compression.none, process_set, False, name or "grouped_allreduce"))
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
@@ -676,6 +728,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -719,6 +772,7 @@ class _AllgatherFn(torch.autograd.Function):
         return averaged.narrow(0, start, count), None
 
 
+@_traced("ALLGATHER")
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` on dim 0 (dim 0 may differ per rank); differentiable."""
@@ -730,6 +784,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
     return _allgather_raw(tensor, process_set)
 
 
+@_traced("ALLGATHER")
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """:func:`allgather` behind a handle (runs when called)."""
@@ -758,6 +813,7 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         return (None, *out)
 
 
+@_traced("ALLGATHER")
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
     """:func:`allgather` of each tensor of a list; returns the list of results (differentiable)."""
@@ -770,6 +826,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
     return [_allgather_raw(t, process_set) for t in tensors]
 
 
+@_traced("ALLGATHER")
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """:func:`grouped_allgather` behind a handle (runs when called)."""
@@ -817,6 +874,7 @@ class _BroadcastFn(torch.autograd.Function):
         return averaged, None, None
 
 
+@_traced("BROADCAST")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable).
@@ -829,6 +887,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
     return _broadcast_raw(tensor, root_rank, process_set)
 
 
+@_traced("BROADCAST")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast: ``tensor`` takes ``root_rank``'s values; returns it."""
@@ -840,12 +899,14 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
     return tensor
 
 
+@_traced("BROADCAST")
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """:func:`broadcast` behind a handle (runs when called)."""
     return Handle(result=broadcast(tensor.detach(), root_rank, name, process_set), name=name or "broadcast")
 
 
+@_traced("BROADCAST")
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """:func:`broadcast_` behind a handle (runs when called)."""
@@ -890,6 +951,7 @@ class _AlltoallFn(torch.autograd.Function):
         return back, None, None
 
 
+@_traced("ALLTOALL")
 def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
              name: Optional[str] = None, process_set: ProcessSet = global_process_set
              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -907,6 +969,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.T
     return out if splits is None else (out, received)
 
 
+@_traced("ALLTOALL")
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
                    name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Handle:
     """:func:`alltoall` behind a handle (runs when called)."""
@@ -949,6 +1012,7 @@ class _ReducescatterFn(torch.autograd.Function):
         return _allgather_raw(grad * factor if factor != 1 else grad, process_set), None, None, None, None
 
 
+@_traced("REDUCESCATTER")
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                   op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
@@ -967,6 +1031,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression:
     return compression.decompress(part, cctx)
 
 
+@_traced("REDUCESCATTER")
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                         op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
@@ -990,6 +1055,7 @@ class _GroupedReducescatterFn(torch.autograd.Function):
         return (None, None, None, None, *[_allgather_raw(g * factor, process_set) for g in grads])
 
 
+@_traced("REDUCESCATTER")
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: Any = Compression.none, op: Optional[int] = None,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
@@ -1008,6 +1074,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     return [compression.decompress(p, c) for p, c in zip(parts, ctxs)]
 
 
+@_traced("REDUCESCATTER")
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                                 op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
@@ -1056,6 +1123,7 @@ def join(device: int = -1) -> int:
     return max(range(len(arrived)), key=lambda r: (arrived[r], r))
 
 
+@_traced("BARRIER")
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached the barrier."""
     _require_init("hvd.barrier")

@@ -301,3 +301,26 @@ def test_duplicate_pending_name_raises_and_the_first_survives():
     again = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)  # free again once synchronized
     assert hvd.synchronize(again).tolist() == [N * (N - 1) / 2] * 3
     _still_usable()
+
+
+# --------------------------------------------------------------------------- timeline
+def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path):
+    # Timeline: rank 0 writes JSON events; each tensor name is a trace "process" (M events),
+    # each operation a B/E pair named after it; the file is valid JSON once stopped.
+    import json
+
+    path = hvd.broadcast_object(str(tmp_path / "timeline.json"), root_rank=0)
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(2), name="tl.reduce")
+    hvd.allgather(torch.ones(1), name="tl.gather")
+    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="tl.async"))
+    hvd.stop_timeline()
+    if R != 0:
+        return
+    events = json.load(open(path))
+    names = {e["args"]["name"]: e["pid"] for e in events if e.get("name") == "process_name"}
+    assert {"tl.reduce", "tl.gather", "tl.async"} <= set(names)
+    ops = {(e["pid"], e["name"]) for e in events if e["ph"] == "B"}
+    assert (names["tl.reduce"], "ALLREDUCE") in ops and (names["tl.gather"], "ALLGATHER") in ops
+    assert (names["tl.async"], "ALLREDUCE") in ops
+    assert sum(e["ph"] == "B" for e in events) == sum(e["ph"] == "E" for e in events)
