@@ -324,3 +324,43 @@ def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path):
     assert (names["tl.reduce"], "ALLREDUCE") in ops and (names["tl.gather"], "ALLGATHER") in ops
     assert (names["tl.async"], "ALLREDUCE") in ops
     assert sum(e["ph"] == "B" for e in events) == sum(e["ph"] == "E" for e in events)
+
+
+# --------------------------------------------------------------------------- sparse gradients
+def _embedding_batch(rank):
+    return torch.tensor([[rank % 4, 4], [rank + 1, 5 + rank % 3]])
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_embedding_with_sparse_adam(sparse_as_dense):
+    # DistributedOptimizer: a sparse gradient goes through sparse_allreduce_async (allgather of
+    # indices and values, values / size for Average); sparse_as_dense all-reduces it densely.
+    def make():
+        torch.manual_seed(1)
+        return torch.nn.Embedding(8, 3, sparse=True).double()
+
+    model, ref = make(), make()
+    inner = torch.optim.SparseAdam(model.parameters(), lr=0.1) if not sparse_as_dense else \
+        torch.optim.Adam(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+    for _ in range(2):
+        opt.zero_grad()
+        model(_embedding_batch(R)).pow(2).sum().backward()
+        opt.step()
+        if not sparse_as_dense:
+            assert model.weight.grad.is_sparse
+    # Reference: one process, the average of every rank's gradient, the same optimizer.
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1) if not sparse_as_dense else \
+        torch.optim.Adam(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        grads = []
+        for r in range(N):
+            ref.zero_grad()
+            ref(_embedding_batch(r)).pow(2).sum().backward()
+            grads.append(ref.weight.grad.coalesce() if not sparse_as_dense else ref.weight.grad.to_dense())
+        g = grads[0]
+        for other in grads[1:]:
+            g = g + other
+        ref.weight.grad = (g / N).coalesce() if not sparse_as_dense else g / N
+        ref_opt.step()
+    assert torch.allclose(model.weight.detach(), ref.weight.detach(), atol=1e-12)
