@@ -4,14 +4,18 @@ Names, arguments and results follow ``horovod.torch`` (docs/api.rst): ``allreduc
 new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``synchronize`` /
 ``poll``. Differences, all documented in docs/torch.md:
 
-- ``name=`` is accepted and used in error messages only: collectives are matched by submission
-  order (every rank must issue the same collectives in the same order), not by name.
+- collectives are matched by submission order (every rank must issue the same collectives in
+  the same order), not by ``name=``; names serve messages, the timeline and the check that a
+  name is not submitted twice while pending.
 - ``op=Adasum`` raises NotImplementedError.
 - ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
 - ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
   while a rank has joined.
 - ``allgather``/``broadcast``/``alltoall``/``reducescatter`` "async" variants run when called
   and return a finished handle.
+
+Gradients, integer scaling, ``root_rank`` (a global rank) and argument errors follow
+Horovod 0.28; tests/mpi/test_horovod_conformance.py checks each.
 """
 from __future__ import annotations
 
