@@ -11,8 +11,6 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
 - ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
 - ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
   while a rank has joined.
-- ``allgather``/``broadcast``/``alltoall``/``reducescatter`` "async" variants run when called
-  and return a finished handle.
 
 Gradients, integer scaling, ``root_rank`` (a global rank) and argument errors follow
 Horovod 0.28; tests/mpi/test_horovod_conformance.py checks each.
@@ -35,6 +33,7 @@ from hpctrain import comm as _comm  # for init(), whose argument is called comm 
 from . import agreement, staging, timeline
 from .compression import Compression
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from hpctrain.comm import asyncq
 from hpctrain.comm.errors import CollectiveMismatchError
 
 __all__ = [
@@ -501,6 +500,26 @@ def _negotiate(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional
     return result
 
 
+def _submit(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[ProcessSet],
+            check: Callable[[], Any], run: Callable[[Any], Any], name: str, **fields: Any) -> Handle:
+    """Run a collective in the background (hpctrain.comm's queue, in submission order) and
+    return its handle at once. A local argument error is agreed on right here (so the other
+    ranks' background agreement fails too) and raised now, as Horovod raises at enqueue; a
+    mismatch between ranks is raised by ``synchronize``."""
+    (process_set or global_process_set)._resolve()
+    try:
+        checked = check()
+    except (ValueError, TypeError, NotImplementedError):
+        _negotiate(kind, tensors, process_set, check, **fields)
+        raise
+
+    def job() -> Any:
+        _negotiate(kind, tensors, process_set, lambda: checked, **fields)
+        return run(checked)
+
+    return Handle(asyncq.submit(name, job), None, name=name)
+
+
 def _is_float(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
@@ -791,8 +810,11 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
 @_traced("ALLGATHER")
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`allgather` behind a handle (runs when called)."""
-    return Handle(result=allgather(tensor.detach(), name, process_set), name=name or "allgather")
+    """Start :func:`allgather` in the background; ``synchronize`` returns the gathered tensor."""
+    _require_init("hvd.allgather_async")
+    t = _check_tensor(tensor, "allgather_async").detach()
+    return _submit("allgather", [t], process_set, lambda: _require_dims(t, "allgather"),
+                   lambda _: _allgather_raw(t, process_set), name or "allgather")
 
 
 class _GroupedAllgatherFn(torch.autograd.Function):
@@ -833,9 +855,11 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 @_traced("ALLGATHER")
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`grouped_allgather` behind a handle (runs when called)."""
-    return Handle(result=grouped_allgather([t.detach() for t in tensors], name, process_set),
-                  name=name or "grouped_allgather")
+    """Start :func:`grouped_allgather` in the background; ``synchronize`` returns the list."""
+    _require_init("hvd.grouped_allgather_async")
+    ts = [_check_tensor(t, "grouped_allgather_async").detach() for t in tensors]
+    return _submit("grouped_allgather", ts, process_set, lambda: [_require_dims(t, "grouped_allgather") for t in ts],
+                   lambda _: [_allgather_raw(t, process_set) for t in ts], name or "grouped_allgather")
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -906,15 +930,27 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 @_traced("BROADCAST")
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`broadcast` behind a handle (runs when called)."""
-    return Handle(result=broadcast(tensor.detach(), root_rank, name, process_set), name=name or "broadcast")
+    """Start :func:`broadcast` in the background; ``synchronize`` returns the new tensor."""
+    _require_init("hvd.broadcast_async")
+    t = _check_tensor(tensor, "broadcast_async").detach()
+    return _submit("broadcast", [t], process_set, lambda: _root_in_set(root_rank, process_set),
+                   lambda _: _broadcast_raw(t, root_rank, process_set), name or "broadcast", root=root_rank)
 
 
 @_traced("BROADCAST")
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`broadcast_` behind a handle (runs when called)."""
-    return Handle(result=broadcast_(tensor, root_rank, name, process_set), name=name or "broadcast_")
+    """Start an in-place broadcast in the background; ``synchronize`` returns ``tensor``."""
+    _require_init("hvd.broadcast_async_")
+    _check_tensor(tensor, "broadcast_async_")
+
+    def run(_: Any) -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(_broadcast_raw(tensor, root_rank, process_set))
+        return tensor
+
+    return _submit("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), run,
+                   name or "broadcast_", root=root_rank)
 
 
 # --------------------------------------------------------------------------- alltoall
@@ -976,8 +1012,12 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.T
 @_traced("ALLTOALL")
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
                    name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`alltoall` behind a handle (runs when called)."""
-    return Handle(result=alltoall(tensor.detach(), splits, name, process_set), name=name or "alltoall")
+    """Start :func:`alltoall` in the background; ``synchronize`` returns ``(tensor,
+    received_splits)``, as Horovod's does (with or without ``splits``)."""
+    _require_init("hvd.alltoall_async")
+    t = _check_tensor(tensor, "alltoall_async").detach()
+    return _submit("alltoall", [t], process_set, lambda: _alltoall_splits(t, splits, _group_size(process_set)),
+                   lambda split_list: _alltoall_raw(t, split_list, process_set), name or "alltoall")
 
 
 # --------------------------------------------------------------------------- reducescatter
@@ -1039,9 +1079,19 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression:
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                         op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """:func:`reducescatter` behind a handle (runs when called)."""
-    return Handle(result=reducescatter(tensor.detach(), name, compression, op, process_set, prescale_factor,
-                                       postscale_factor), name=name or "reducescatter")
+    """Start :func:`reducescatter` in the background; ``synchronize`` returns this rank's part."""
+    _require_init("hvd.reducescatter_async")
+    t = _check_tensor(tensor, "reducescatter_async").detach()
+
+    def run(rop: ReduceOp) -> torch.Tensor:
+        wire, cctx = compression.compress(t)
+        return compression.decompress(_reducescatter_raw(wire, rop, process_set, prescale_factor, postscale_factor),
+                                      cctx)
+
+    return _submit("reducescatter", [t], process_set,
+                   lambda: (_require_dims(t, "reducescatter"), _reducescatter_op(op))[1], run,
+                   name or "reducescatter", op=_op_field(op), prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
 
 
 class _GroupedReducescatterFn(torch.autograd.Function):
@@ -1082,10 +1132,15 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                                 op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """:func:`grouped_reducescatter` behind a handle (runs when called)."""
-    return Handle(result=grouped_reducescatter([t.detach() for t in tensors], name, Compression.none, op,
-                                               process_set, prescale_factor, postscale_factor),
-                  name=name or "grouped_reducescatter")
+    """Start :func:`grouped_reducescatter` in the background; ``synchronize`` returns the parts."""
+    _require_init("hvd.grouped_reducescatter_async")
+    ts = [_check_tensor(t, "grouped_reducescatter_async").detach() for t in tensors]
+    return _submit("grouped_reducescatter", ts, process_set,
+                   lambda: ([_require_dims(t, "reducescatter") for t in ts], _reducescatter_op(op))[1],
+                   lambda rop: [_reducescatter_raw(t, rop, process_set, prescale_factor, postscale_factor)
+                                for t in ts],
+                   name or "grouped_reducescatter", op=_op_field(op), prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
 
 
 # --------------------------------------------------------------------------- sparse
