@@ -142,6 +142,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     bad = [r for r in ps.ranks if not 0 <= r < comm.size()]
     if bad:
         raise ValueError(f"process set ranks {bad} outside 0..{comm.size() - 1}")
+    if any(other.ranks == ps.ranks for other in _process_sets):
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}.\n"
+                         "HINT: reuse the ProcessSet registered earlier for these ranks")
     ps._group = comm.new_group(ps.ranks)
     ps._registered = True
     ps.process_set_id = len(_process_sets)
