@@ -18,9 +18,10 @@ from .ops import (Adasum, Average, Handle, HpctrainNotInitialized, Max, Min, Pro
                   allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
                   broadcast_async_, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                   gloo_enabled, global_process_set, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                  grouped_allreduce_async_, init, is_homogeneous, is_initialized, join, local_rank, local_size,
+                  grouped_allreduce_async_, grouped_allgather, grouped_allgather_async, grouped_reducescatter,
+                  grouped_reducescatter_async, HorovodInternalError, HostsUpdatedInterrupt, init, is_homogeneous, is_initialized, join, local_rank, local_size,
                   mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank, reducescatter,
-                  reducescatter_async, remove_process_set, rocm_built, shutdown, size, start_timeline,
+                  reducescatter_async, remove_process_set, sparse_allreduce_async, rocm_built, shutdown, size, start_timeline,
                   stop_timeline, synchronize)
 from .optimizer import DistributedOptimizer
 from .strategies import AllReduce, ModelAverage, ParameterServer
@@ -33,7 +34,9 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
-    "reducescatter_async", "synchronize", "poll", "join", "barrier", "Handle",
+    "reducescatter_async", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "synchronize", "poll", "join", "barrier", "Handle",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "broadcast_object", "allgather_object", "broadcast_parameters", "broadcast_optimizer_state",

@@ -7,14 +7,14 @@ import torch
 
 from hpctrain import comm
 
-from .ops import ProcessSet, _group, _require_init, broadcast_, global_process_set
+from .ops import ProcessSet, _group, _require_init, _root_in_set, broadcast_, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
 
 def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]], Iterable[torch.Tensor]],
                          root_rank: int = 0, process_set: ProcessSet = global_process_set) -> None:
-    """Overwrite every rank's tensors with ``root_rank``'s, in place.
+    """Overwrite every rank's tensors with ``root_rank``'s (a global rank), in place.
 
     ``params``: ``model.state_dict()`` or ``model.named_parameters()`` (or a list of tensors).
     Named tensors are broadcast sorted by name, so ranks whose dictionaries were built in a
@@ -91,6 +91,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     _require_init("hvd.broadcast_optimizer_state")
     group = _group(process_set)
     me = (process_set or global_process_set).rank()
+    root_rank = _root_in_set(root_rank, process_set, "broadcast_optimizer_state")  # now a position in the set
     tensors: List[torch.Tensor] = []
     skeleton = _strip_tensors(optimizer.state_dict(), tensors) if me == root_rank else None
     skeleton = comm.broadcast_object(skeleton, root=root_rank, group=group)
@@ -120,9 +121,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Return ``root_rank``'s picklable ``obj`` on every rank."""
+    """Return ``root_rank``'s picklable ``obj`` on every rank of ``process_set``; ``root_rank``
+    is a global rank, as in Horovod."""
     _require_init("hvd.broadcast_object")
-    return comm.broadcast_object(obj, root=root_rank, group=_group(process_set))
+    root = _root_in_set(root_rank, process_set, "broadcast_object")
+    return comm.broadcast_object(obj, root=root, group=_group(process_set))
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:

@@ -4,17 +4,24 @@ Names, arguments and results follow ``horovod.torch`` (docs/api.rst): ``allreduc
 new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``synchronize`` /
 ``poll``. Differences, all documented in docs/torch.md:
 
-- ``name=`` is accepted and used in error messages only: collectives are matched by submission
-  order (every rank must issue the same collectives in the same order), not by name.
+- collectives are matched by submission order (every rank must issue the same collectives in
+  the same order), not by ``name=``; names serve messages, the timeline and the check that a
+  name is not submitted twice while pending.
 - ``op=Adasum`` raises NotImplementedError.
+- ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
 - ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
   while a rank has joined.
-- ``allgather``/``broadcast``/``alltoall``/``reducescatter`` "async" variants run when called
-  and return a finished handle.
+
+Gradients, integer scaling, ``root_rank`` (a global rank) and argument errors follow
+Horovod 0.28; tests/mpi/test_horovod_conformance.py checks each.
 """
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
+import itertools
+import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -23,8 +30,11 @@ import torch
 from hpctrain import comm
 from hpctrain import comm as _comm  # for init(), whose argument is called comm as in Horovod
 
-from . import staging
+from . import agreement, staging, timeline
 from .compression import Compression
+from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from hpctrain.comm import asyncq
+from hpctrain.comm.errors import CollectiveMismatchError
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -38,6 +48,8 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "sparse_allreduce_async", "HorovodInternalError", "HostsUpdatedInterrupt",
     "synchronize", "poll", "join", "barrier",
 ]
 
@@ -130,6 +142,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     bad = [r for r in ps.ranks if not 0 <= r < comm.size()]
     if bad:
         raise ValueError(f"process set ranks {bad} outside 0..{comm.size() - 1}")
+    if any(other.ranks == ps.ranks for other in _process_sets):
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}.\n"
+                         "HINT: reuse the ProcessSet registered earlier for these ranks")
     ps._group = comm.new_group(ps.ranks)
     ps._registered = True
     ps.process_set_id = len(_process_sets)
@@ -164,18 +179,37 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     HPCTRAIN_MALLOC_TUNING=0): a script started by plain ``mpiexec``/``srun`` would otherwise
     fault its freed gradient blocks back in every step (measured: 4,080 faults per step,
     ~8 ms at ~2 us each, for the 10.5M-parameter MLP at 2 ranks)."""
-    if comm is not None:
-        raise NotImplementedError(
-            "hvd.init(comm=...) with a custom communicator is not supported; hpctrain always "
-            "starts on MPI_COMM_WORLD.\nHINT: call hvd.init() and use hvd.add_process_set(ranks) "
-            "for collectives over a subset of ranks")
     from hpctrain.malloc_tuning import tune_this_process
 
     tune_this_process()
     _comm.init()
+    if comm is not None:
+        _check_init_comm(comm)
     for ps in process_sets or ():
         if not ps._registered:
             add_process_set(ps)
+
+
+def _check_init_comm(communicator: Any) -> None:
+    """Accept Horovod's ``init(comm=...)`` forms that name every rank in world order: a list of
+    ranks, or an mpi4py communicator congruent with MPI_COMM_WORLD. Sub-communicators are
+    refused on every rank (they would need a world smaller than the MPI job)."""
+    world, me = comm.size(), comm.rank()
+    if isinstance(communicator, (list, tuple, range)):
+        ranks = [int(r) for r in communicator]
+        ok = ranks == list(range(world))
+        what = f"comm={ranks}"
+    elif hasattr(communicator, "Get_size") and hasattr(communicator, "allgather"):
+        ok = all(communicator.allgather(communicator.Get_size() == world and communicator.Get_rank() == me))
+        what = f"comm=<communicator of {communicator.Get_size()} ranks>"
+    else:
+        raise ValueError(f"hvd.init(comm={type(communicator).__name__}): expected a list of rank integers or an "
+                         "mpi4py.MPI.Comm object")
+    if not ok:
+        raise NotImplementedError(
+            f"hvd.init({what}): hpctrain runs on every rank of the MPI job in world order; a subset of ranks is "
+            f"not supported.\nHINT: call hvd.init() and use hvd.add_process_set(ranks) for collectives over a "
+            "subset of ranks")
 
 
 def shutdown() -> None:
@@ -287,18 +321,56 @@ def mpi_threads_supported() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Accepted for compatibility; hpctrain records timing with ``hpctrain bench`` instead."""
+    """Write a Chrome trace of this job's collectives to ``file_path`` (rank 0 writes it, as in
+    Horovod): one trace row per tensor name, one span per operation. ``mark_cycles`` is
+    accepted (hpctrain has no background cycle to mark)."""
+    _require_init("hvd.start_timeline")
+    if comm.rank() == 0:
+        timeline.start(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Accepted for compatibility (see :func:`start_timeline`)."""
+    """Stop writing the timeline started by :func:`start_timeline` and close its file."""
+    _require_init("hvd.stop_timeline")
+    timeline.stop()
+
+
+_trace_depth = threading.local()
+_trace_counter = itertools.count()
+
+
+def _traced(op_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Record the outermost public collective call on the timeline (no cost while none is
+    being written). An asynchronous call's span ends when its handle is synchronized."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if not timeline.active() or getattr(_trace_depth, "n", 0):
+                return fn(*args, **kwargs)
+            name = signature.bind_partial(*args, **kwargs).arguments.get("name") or \
+                f"{op_name.lower()}.noname.{next(_trace_counter)}"
+            t0 = time.time()
+            _trace_depth.n = 1
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _trace_depth.n = 0
+            if isinstance(result, Handle) and not result._finished:
+                result._trace = (name, op_name, t0)
+            else:
+                timeline.record(name, op_name, t0, time.time())
+            return result
+        return traced
+    return wrap
 
 
 # --------------------------------------------------------------------------- handles
 class Handle:
     """Handle of an asynchronous operation: pass it to :func:`synchronize` or :func:`poll`."""
 
-    __slots__ = ("_inner", "_finish", "_result", "_finished", "name")
+    __slots__ = ("_inner", "_finish", "_result", "_finished", "name", "_pending_name", "_trace")
 
     def __init__(self, inner: Any = None, finish: Optional[Callable[[Any], Any]] = None,
                  result: Any = None, name: str = "") -> None:
@@ -307,6 +379,8 @@ class Handle:
         self._result = result
         self._finished = inner is None and finish is None
         self.name = name
+        self._pending_name: Optional[str] = None
+        self._trace: Optional[Tuple[str, str, float]] = None
 
     def done(self) -> bool:
         """True when the operation has completed (``synchronize`` will not block)."""
@@ -315,11 +389,40 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation is done; return its result."""
         if not self._finished:
-            raw = self._inner.wait() if self._inner is not None else None
-            self._result = self._finish(raw) if self._finish is not None else raw
-            self._finished = True
-            self._inner = None
+            try:
+                raw = self._inner.wait() if self._inner is not None else None
+                self._result = self._finish(raw) if self._finish is not None else raw
+            except CollectiveMismatchError as e:
+                # Every rank of the collective gets this (the comm layer's verdict is shared).
+                raise _Mismatch(str(e)) from e
+            finally:
+                self._finished = True
+                self._inner = None
+                _pending_names.discard(self._pending_name)
+                if self._trace is not None:
+                    timeline.record(*self._trace, time.time())
         return self._result
+
+
+class _Mismatch(HorovodInternalError, CollectiveMismatchError):
+    """A mismatch found by the comm layer, raised as Horovod's type; still a ``comm.CommError``."""
+
+
+_pending_names: set = set()
+
+
+def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
+    """Horovod refuses an operation under a name that is still pending. Here a name is pending
+    from submission until its handle is synchronized, which is the same moment on every rank
+    (same calls in the same order), so every rank raises and nothing is submitted."""
+    if name and name in _pending_names:
+        raise ValueError(f"Requested to collective on a tensor named {name!r} that is still pending.\n"
+                         "HINT: synchronize() the earlier handle first, or give each operation its own name")
+    handle = start()
+    if name:
+        _pending_names.add(name)
+        handle._pending_name = name
+    return handle
 
 
 def synchronize(handle: Handle) -> Any:
@@ -364,6 +467,77 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     return tensor
 
 
+def _require_dims(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dim() == 0:
+        raise ValueError(f"{what} does not support scalar inputs; HINT: pass a tensor with at least one "
+                         "dimension (it works on rows of dim 0)")
+
+
+def _op_field(op: Any) -> Any:
+    """The requested reduction op as ranks compare it (None is the default, Average)."""
+    return int(ReduceOp.Average) if op is None else (int(op) if isinstance(op, int) else repr(op))
+
+
+def _negotiate(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[ProcessSet],
+               check: Callable[[], Any], **fields: Any) -> Any:
+    """Run the local argument check ``check``, then agree with the set's ranks on the call
+    (one small object allgather): when any rank's check failed or the calls differ, every rank
+    raises (its own ValueError where its arguments were wrong, HorovodInternalError on the
+    others) and none enters the collective, so the next collective works. Returns ``check()``."""
+    ps = process_set or global_process_set
+    group = ps._resolve()  # a non-member raises here, alone: the members do not expect it
+    err: Optional[Exception] = None
+    result = None
+    try:
+        result = check()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        err = e
+    if ps.size() > 1:
+        desc = agreement.describe(kind, tensors, **fields)
+        calls = comm.allgather_object((desc, None if err is None else f"{type(err).__name__}: {err}"), group=group)
+        outcome = agreement.verdict(kind, calls, ps.rank())
+        if outcome is not None and outcome[0] == "internal":
+            raise HorovodInternalError(outcome[1])
+    if err is not None:
+        raise err
+    return result
+
+
+def _submit(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[ProcessSet],
+            check: Callable[[], Any], run: Callable[[Any], Any], name: str, **fields: Any) -> Handle:
+    """Run a collective in the background (hpctrain.comm's queue, in submission order) and
+    return its handle at once. A local argument error is agreed on right here (so the other
+    ranks' background agreement fails too) and raised now, as Horovod raises at enqueue; a
+    mismatch between ranks is raised by ``synchronize``."""
+    (process_set or global_process_set)._resolve()
+    try:
+        checked = check()
+    except (ValueError, TypeError, NotImplementedError):
+        _negotiate(kind, tensors, process_set, check, **fields)
+        raise
+
+    def job() -> Any:
+        _negotiate(kind, tensors, process_set, lambda: checked, **fields)
+        return run(checked)
+
+    return Handle(asyncq.submit(name, job), None, name=name)
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _scale_(buf: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``buf`` by ``factor`` in place. Integer tensors are scaled as Horovod's
+    ScaleBuffer does: in double precision, then truncated toward zero to the tensor's dtype."""
+    if factor != 1.0:
+        if _is_float(buf):
+            buf.mul_(factor)
+        else:
+            buf.copy_((buf.double() * factor).to(buf.dtype))
+    return buf
+
+
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
                      name: str) -> Handle:
@@ -380,19 +554,15 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
         buf = host  # in place on the caller's CPU tensor: no copy at all
     else:
         buf = host.contiguous().clone()
-    scaled = prescale != 1.0 or postscale != 1.0
-    if prescale != 1.0:
-        buf.mul_(prescale)
-    comm_op = "sum" if (op == ReduceOp.Average and scaled) else _COMM_OPS[op]
+    # Horovod averages by summing and scaling by postscale/size; integer tensors take that path
+    # too, so their average truncates exactly as Horovod's does.
+    by_scaling = op == ReduceOp.Average and (prescale != 1.0 or postscale != 1.0 or not _is_float(buf))
+    _scale_(buf, prescale)
+    comm_op = "sum" if by_scaling else _COMM_OPS[op]
     inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True)
 
     def finish(_: Any) -> torch.Tensor:
-        factor = postscale / n if (op == ReduceOp.Average and scaled) else postscale
-        if factor != 1.0:
-            if buf.dtype.is_floating_point:
-                buf.mul_(factor)
-            else:
-                buf.copy_((buf.double() * factor).to(buf.dtype))
+        _scale_(buf, postscale / n if by_scaling else postscale)
         result = restore(compression.decompress(buf, ctx))
         if out is not None:
             if result.data_ptr() != out.data_ptr():
@@ -405,21 +575,28 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
 
 
 class _AllreduceFn(torch.autograd.Function):
+    """Horovod's HorovodAllreduce: the gradient is all-reduced with the forward's op and scale
+    factors, over the same process set."""
+
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale, compression, process_set, name):  # type: ignore[override]
+    def forward(ctx, tensor, op, prescale, postscale, process_set, name):  # type: ignore[override]
         ctx.args = (op, prescale, postscale, process_set)
-        return _allreduce_start(tensor.detach(), op, prescale, postscale, compression, process_set, None, name).wait()
+        return _allreduce_start(tensor.detach(), op, prescale, postscale, Compression.none, process_set, None,
+                                name).wait()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         op, prescale, postscale, process_set = ctx.args
-        if op not in (ReduceOp.Average, ReduceOp.Sum):
-            raise RuntimeError("gradients of hvd.allreduce are defined for op=Average and op=Sum only")
         g = _allreduce_start(grad.contiguous(), op, prescale, postscale, Compression.none, process_set,
                              None, "allreduce.grad").wait()
-        return g, None, None, None, None, None, None
+        return g, None, None, None, None, None
 
 
+def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+@_traced("ALLREDUCE")
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Any = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -433,12 +610,16 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     _require_init("hvd.allreduce")
     _check_tensor(tensor, "allreduce")
     op = _resolve_op(average, op)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, compression, process_set, name or "")
+    if _wants_grad([tensor]):
+        # Compression outside the autograd function, as Horovod does: the cast is differentiable.
+        wire, cctx = compression.compress(tensor)
+        out = _AllreduceFn.apply(wire, op, prescale_factor, postscale_factor, process_set, name or "allreduce")
+        return compression.decompress(out, cctx)
     return _allreduce_start(tensor, op, prescale_factor, postscale_factor, compression, process_set,
                             None, name or "allreduce").wait()
 
 
+@_traced("ALLREDUCE")
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
@@ -446,10 +627,12 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
     _require_init("hvd.allreduce_async")
     _check_tensor(tensor, "allreduce_async")
-    return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
-                            compression, process_set, None, name or "allreduce")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
+                                                 compression, process_set, None, name or "allreduce"))
 
 
+@_traced("ALLREDUCE")
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -457,14 +640,16 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@_traced("ALLREDUCE")
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     _require_init("hvd.allreduce_async_")
     _check_tensor(tensor, "allreduce_async_")
-    return _allreduce_start(tensor.detach(), _resolve_op(average, op), prescale_factor, postscale_factor,
-                            Compression.none, process_set, tensor, name or "allreduce_")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
+                                                 Compression.none, process_set, tensor, name or "allreduce_"))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
@@ -515,26 +700,53 @@ class _AllOf:
             h.wait()
 
 
+class _GroupedAllreduceFn(torch.autograd.Function):
+    """Horovod's HorovodGroupedAllreduce: the gradients are grouped-all-reduced like the inputs."""
+
+    @staticmethod
+    def forward(ctx, op, prescale, postscale, process_set, name, *tensors):  # type: ignore[override]
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(_grouped_start([t.detach() for t in tensors], op, prescale, postscale, Compression.none,
+                                    process_set, False, name).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        op, prescale, postscale, process_set = ctx.args
+        reduced = _grouped_start([g.contiguous() for g in grads], op, prescale, postscale, Compression.none,
+                                 process_set, False, "grouped_allreduce.grad").wait()
+        return (None, None, None, None, None, *reduced)
+
+
+@_traced("ALLREDUCE")
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = Compression.none, op: Optional[int] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
-    """All-reduce a list of tensors as one fused operation; returns new tensors."""
+    """All-reduce a list of tensors as one fused operation; returns new tensors (differentiable)."""
     _require_init("hvd.grouped_allreduce")
-    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
+    op = _resolve_op(average, op)
+    if _wants_grad(tensors):
+        wires, ctxs = zip(*[compression.compress(_check_tensor(t, "grouped_allreduce")) for t in tensors])
+        outs = _GroupedAllreduceFn.apply(op, prescale_factor, postscale_factor, process_set,
+                                         name or "grouped_allreduce", *wires)
+        return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+    return _grouped_start(tensors, op, prescale_factor, postscale_factor,
                           compression, process_set, False, name or "grouped_allreduce").wait()
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start :func:`grouped_allreduce`; ``synchronize`` returns the list of new tensors."""
     _require_init("hvd.grouped_allreduce_async")
-    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
-                          Compression.none, process_set, False, name or "grouped_allreduce")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
+                                               Compression.none, process_set, False, name or "grouped_allreduce"))
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
@@ -542,178 +754,422 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place grouped all-reduce."""
     _require_init("hvd.grouped_allreduce_async_")
-    return _grouped_start(tensors, _resolve_op(average, op), prescale_factor, postscale_factor,
-                          Compression.none, process_set, True, name or "grouped_allreduce_")
+    op = _resolve_op(average, op)
+    return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
+                                               Compression.none, process_set, True, name or "grouped_allreduce_"))
 
 
 # --------------------------------------------------------------------------- allgather
 def _allgather_raw(tensor: torch.Tensor, process_set: Optional[ProcessSet]) -> torch.Tensor:
     host, restore = staging.to_host(tensor.detach())
-    if host.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates on dim 0)")
+    _require_dims(host, "allgather")
     return restore(comm.allgather(host.contiguous(), group=_group(process_set)))
 
 
+def _my_rows(dims: Sequence[int], process_set: Optional[ProcessSet]) -> Tuple[int, int]:
+    """Offset and count of this rank's rows in an allgather whose ranks sent ``dims`` rows."""
+    me = (process_set or global_process_set).rank()
+    return sum(dims[:me]), dims[me]
+
+
 class _AllgatherFn(torch.autograd.Function):
+    """Horovod's HorovodAllgather: the gradient is the *average* over the set of the output
+    gradients, narrowed to this rank's rows."""
+
     @staticmethod
     def forward(ctx, tensor, process_set):  # type: ignore[override]
         ctx.process_set = process_set
-        ctx.dim0 = tensor.shape[0]
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 0
         return _allgather_raw(tensor, process_set)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         ps = ctx.process_set
-        summed = _allreduce_start(grad.contiguous(), ReduceOp.Sum, 1.0, 1.0, Compression.none, ps, None,
-                                  "allgather.grad").wait()
-        dims = comm.allgather_object(ctx.dim0, group=_group(ps))
-        me = (ps or global_process_set).rank()
-        start = sum(dims[:me])
-        return summed[start:start + dims[me]], None
+        averaged = _allreduce_start(grad.contiguous(), ReduceOp.Average, 1.0, 1.0, Compression.none, ps, None,
+                                    "allgather.grad").wait()
+        start, count = _my_rows(comm.allgather_object(ctx.dim0, group=_group(ps)), ps)
+        return averaged.narrow(0, start, count), None
 
 
+@_traced("ALLGATHER")
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` on dim 0 (dim 0 may differ per rank); differentiable."""
     _require_init("hvd.allgather")
     _check_tensor(tensor, "allgather")
-    if tensor.requires_grad and torch.is_grad_enabled():
+    _negotiate("allgather", [tensor], process_set, lambda: _require_dims(tensor, "allgather"))
+    if _wants_grad([tensor]):
         return _AllgatherFn.apply(tensor, process_set)
     return _allgather_raw(tensor, process_set)
 
 
+@_traced("ALLGATHER")
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`allgather` behind a handle (runs when called)."""
-    return Handle(result=allgather(tensor.detach(), name, process_set), name=name or "allgather")
+    """Start :func:`allgather` in the background; ``synchronize`` returns the gathered tensor."""
+    _require_init("hvd.allgather_async")
+    t = _check_tensor(tensor, "allgather_async").detach()
+    return _submit("allgather", [t], process_set, lambda: _require_dims(t, "allgather"),
+                   lambda _: _allgather_raw(t, process_set), name or "allgather")
+
+
+class _GroupedAllgatherFn(torch.autograd.Function):
+    """Horovod's HorovodGroupedAllgather: grouped average of the gradients, narrowed per tensor."""
+
+    @staticmethod
+    def forward(ctx, process_set, *tensors):  # type: ignore[override]
+        ctx.process_set = process_set
+        ctx.dims = [t.shape[0] if t.dim() else 0 for t in tensors]
+        return tuple(_allgather_raw(t, process_set) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ps = ctx.process_set
+        averaged = _grouped_start([g.contiguous() for g in grads], ReduceOp.Average, 1.0, 1.0, Compression.none,
+                                  ps, False, "grouped_allgather.grad").wait()
+        every = comm.allgather_object(ctx.dims, group=_group(ps))
+        out = []
+        for i, g in enumerate(averaged):
+            start, count = _my_rows([dims[i] for dims in every], ps)
+            out.append(g.narrow(0, start, count))
+        return (None, *out)
+
+
+@_traced("ALLGATHER")
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """:func:`allgather` of each tensor of a list; returns the list of results (differentiable)."""
+    _require_init("hvd.grouped_allgather")
+    tensors = [_check_tensor(t, "grouped_allgather") for t in tensors]
+    _negotiate("grouped_allgather", tensors, process_set,
+               lambda: [_require_dims(t, "grouped_allgather") for t in tensors])
+    if _wants_grad(tensors):
+        return list(_GroupedAllgatherFn.apply(process_set, *tensors))
+    return [_allgather_raw(t, process_set) for t in tensors]
+
+
+@_traced("ALLGATHER")
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Start :func:`grouped_allgather` in the background; ``synchronize`` returns the list."""
+    _require_init("hvd.grouped_allgather_async")
+    ts = [_check_tensor(t, "grouped_allgather_async").detach() for t in tensors]
+    return _submit("grouped_allgather", ts, process_set, lambda: [_require_dims(t, "grouped_allgather") for t in ts],
+                   lambda _: [_allgather_raw(t, process_set) for t in ts], name or "grouped_allgather")
 
 
 # --------------------------------------------------------------------------- broadcast
+def _root_in_set(root_rank: int, process_set: Optional[ProcessSet], what: str = "broadcast") -> int:
+    """Position in the set of ``root_rank``, which is a *global* rank as in Horovod."""
+    ps = process_set or global_process_set
+    root = int(root_rank)
+    if ps.ranks is None:
+        if not 0 <= root < comm.size():
+            raise ValueError(f"{what}: root_rank={root} is outside 0..{comm.size() - 1}.\n"
+                             "HINT: pass the rank (hvd.rank()) of the process that holds the values")
+        return root
+    if root not in ps.ranks:
+        raise ValueError(f"{what}: root_rank={root} is not a member of {ps}.\n"
+                         "HINT: root_rank is a global rank (as in Horovod), and must be one of the set's ranks")
+    return ps.ranks.index(root)
+
+
 def _broadcast_raw(tensor: torch.Tensor, root_rank: int, process_set: Optional[ProcessSet]) -> torch.Tensor:
-    n = _group_size(process_set)
-    if not 0 <= int(root_rank) < n:
-        raise ValueError(f"root_rank={root_rank} is outside 0..{n - 1}")
+    root = _root_in_set(root_rank, process_set)
     host, restore = staging.to_host(tensor.detach())
-    return restore(comm.broadcast(host.contiguous(), root=int(root_rank), group=_group(process_set))).view(tensor.shape)
+    return restore(comm.broadcast(host.contiguous(), root=root, group=_group(process_set))).view(tensor.shape)
 
 
 class _BroadcastFn(torch.autograd.Function):
+    """Horovod's HorovodBroadcast: the root's gradient is the average over the set of the
+    output gradients; every other rank's gradient is zero."""
+
     @staticmethod
     def forward(ctx, tensor, root_rank, process_set):  # type: ignore[override]
-        ctx.root, ctx.process_set = root_rank, process_set
+        ctx.root, ctx.process_set = int(root_rank), process_set
         return _broadcast_raw(tensor, root_rank, process_set)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        summed = _allreduce_start(grad.contiguous(), ReduceOp.Sum, 1.0, 1.0, Compression.none,
-                                  ctx.process_set, None, "broadcast.grad").wait()
-        if (ctx.process_set or global_process_set).rank() != ctx.root:
-            summed = torch.zeros_like(summed)
-        return summed, None, None
+        averaged = _allreduce_start(grad.contiguous(), ReduceOp.Average, 1.0, 1.0, Compression.none,
+                                    ctx.process_set, None, "broadcast.grad").wait()
+        if comm.rank() != ctx.root:
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None
 
 
+@_traced("BROADCAST")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable)."""
+    """Return ``root_rank``'s ``tensor`` on every rank as a new tensor (differentiable).
+    ``root_rank`` is a global rank, also with a process set (Horovod's convention)."""
     _require_init("hvd.broadcast")
     _check_tensor(tensor, "broadcast")
-    if tensor.requires_grad and torch.is_grad_enabled():
+    _negotiate("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), root=root_rank)
+    if _wants_grad([tensor]):
         return _BroadcastFn.apply(tensor, root_rank, process_set)
     return _broadcast_raw(tensor, root_rank, process_set)
 
 
+@_traced("BROADCAST")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast: ``tensor`` takes ``root_rank``'s values; returns it."""
     _require_init("hvd.broadcast_")
     _check_tensor(tensor, "broadcast_")
+    _negotiate("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), root=root_rank)
     with torch.no_grad():
         tensor.copy_(_broadcast_raw(tensor, root_rank, process_set))
     return tensor
 
 
+@_traced("BROADCAST")
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`broadcast` behind a handle (runs when called)."""
-    return Handle(result=broadcast(tensor.detach(), root_rank, name, process_set), name=name or "broadcast")
+    """Start :func:`broadcast` in the background; ``synchronize`` returns the new tensor."""
+    _require_init("hvd.broadcast_async")
+    t = _check_tensor(tensor, "broadcast_async").detach()
+    return _submit("broadcast", [t], process_set, lambda: _root_in_set(root_rank, process_set),
+                   lambda _: _broadcast_raw(t, root_rank, process_set), name or "broadcast", root=root_rank)
 
 
+@_traced("BROADCAST")
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`broadcast_` behind a handle (runs when called)."""
-    return Handle(result=broadcast_(tensor, root_rank, name, process_set), name=name or "broadcast_")
+    """Start an in-place broadcast in the background; ``synchronize`` returns ``tensor``."""
+    _require_init("hvd.broadcast_async_")
+    _check_tensor(tensor, "broadcast_async_")
+
+    def run(_: Any) -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(_broadcast_raw(tensor, root_rank, process_set))
+        return tensor
+
+    return _submit("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), run,
+                   name or "broadcast_", root=root_rank)
 
 
-# --------------------------------------------------------------------------- alltoall, reducescatter
-def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
-             name: Optional[str] = None, process_set: ProcessSet = global_process_set
-             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Send ``splits[i]`` rows of dim 0 to rank i (even split when None); return the rows
-    received, concatenated in rank order — and, when ``splits`` is given, the received splits."""
-    _require_init("hvd.alltoall")
-    _check_tensor(tensor, "alltoall")
-    n = _group_size(process_set)
+# --------------------------------------------------------------------------- alltoall
+def _alltoall_splits(tensor: torch.Tensor, splits: Any, n: int) -> Optional[List[int]]:
     if splits is None:
         if tensor.dim() == 0 or tensor.shape[0] % n:
             raise ValueError(f"alltoall without splits needs dim 0 ({tuple(tensor.shape)[:1]}) divisible by "
                              f"the number of ranks ({n}).\nHINT: pass splits=[rows for rank 0, rows for rank 1, ...]")
-        split_list = None
-    else:
-        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
-            raise ValueError(f"alltoall splits {split_list}: expected {n} non-negative counts summing to "
-                             f"dim 0 of the tensor ({tensor.shape[0]})")
+        return None
+    split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(split_list) != n or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+        raise ValueError(f"alltoall splits {split_list}: expected {n} non-negative counts summing to "
+                         f"dim 0 of the tensor ({tensor.shape[0]})")
+    return split_list
+
+
+def _alltoall_raw(tensor: torch.Tensor, split_list: Optional[List[int]],
+                  process_set: Optional[ProcessSet]) -> Tuple[torch.Tensor, torch.Tensor]:
     host, restore = staging.to_host(tensor.detach())
     out, received = comm.alltoall(host.contiguous(), splits=split_list, group=_group(process_set))
-    out = restore(out)
-    if splits is None:
-        return out
-    return out, torch.as_tensor(list(received), dtype=torch.int32)
+    return restore(out), torch.as_tensor(list(received), dtype=torch.int32)
 
 
+class _AlltoallFn(torch.autograd.Function):
+    """Horovod's HorovodAlltoall: the gradient goes back with an alltoall using the received
+    splits as send splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, split_list, process_set):  # type: ignore[override]
+        out, received = _alltoall_raw(tensor, split_list, process_set)
+        ctx.process_set, ctx.received = process_set, [int(r) for r in received.tolist()]
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):  # type: ignore[override]
+        back, _ = _alltoall_raw(grad.contiguous(), ctx.received, ctx.process_set)
+        return back, None, None
+
+
+@_traced("ALLTOALL")
+def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
+             name: Optional[str] = None, process_set: ProcessSet = global_process_set
+             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Send ``splits[i]`` rows of dim 0 to rank i (even split when None); return the rows
+    received, concatenated in rank order — and, when ``splits`` is given, the received splits.
+    Differentiable."""
+    _require_init("hvd.alltoall")
+    _check_tensor(tensor, "alltoall")
+    split_list = _negotiate("alltoall", [tensor], process_set,
+                            lambda: _alltoall_splits(tensor, splits, _group_size(process_set)))
+    if _wants_grad([tensor]):
+        out, received = _AlltoallFn.apply(tensor, split_list, process_set)
+    else:
+        out, received = _alltoall_raw(tensor, split_list, process_set)
+    return out if splits is None else (out, received)
+
+
+@_traced("ALLTOALL")
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
                    name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> Handle:
-    """:func:`alltoall` behind a handle (runs when called)."""
-    return Handle(result=alltoall(tensor, splits, name, process_set), name=name or "alltoall")
+    """Start :func:`alltoall` in the background; ``synchronize`` returns ``(tensor,
+    received_splits)``, as Horovod's does (with or without ``splits``)."""
+    _require_init("hvd.alltoall_async")
+    t = _check_tensor(tensor, "alltoall_async").detach()
+    return _submit("alltoall", [t], process_set, lambda: _alltoall_splits(t, splits, _group_size(process_set)),
+                   lambda split_list: _alltoall_raw(t, split_list, process_set), name or "alltoall")
 
 
+# --------------------------------------------------------------------------- reducescatter
+def _reducescatter_op(op: Optional[int]) -> ReduceOp:
+    op = _resolve_op(None, op)
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"reducescatter supports op=Average and op=Sum, got {op.name}")
+    return op
+
+
+def _reducescatter_raw(tensor: torch.Tensor, op: ReduceOp, process_set: Optional[ProcessSet],
+                       prescale: float, postscale: float) -> torch.Tensor:
+    """This rank's rows of the reduction: rows split as Horovod does (the first ``dim0 % size``
+    ranks of the set get one row more); Average is a Sum scaled by postscale/size."""
+    _require_dims(tensor, "reducescatter")
+    n = _group_size(process_set)
+    host, restore = staging.to_host(tensor.detach())
+    buf = _scale_(host.contiguous().clone(), prescale)
+    part = comm.reduce_scatter(buf, op="sum", group=_group(process_set))
+    return restore(_scale_(part, postscale / n if op == ReduceOp.Average else postscale))
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    """Horovod's HorovodReducescatter: the gradient is the allgather of the output gradient,
+    times the set size for Sum and times the scale factors."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, process_set, prescale, postscale):  # type: ignore[override]
+        ctx.args = (op, process_set, prescale, postscale)
+        return _reducescatter_raw(tensor, op, process_set, prescale, postscale)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        op, process_set, prescale, postscale = ctx.args
+        factor = (_group_size(process_set) if op == ReduceOp.Sum else 1) * prescale * postscale
+        return _allgather_raw(grad * factor if factor != 1 else grad, process_set), None, None, None, None
+
+
+@_traced("REDUCESCATTER")
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                   op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's rows of dim 0 (the first
-    ``dim0 % size`` ranks get one row more). ``op``: Average (default) or Sum."""
+    ``dim0 % size`` ranks get one row more). ``op``: Average (default) or Sum. Differentiable."""
     _require_init("hvd.reducescatter")
     _check_tensor(tensor, "reducescatter")
-    op = _resolve_op(None, op)
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ValueError(f"reducescatter supports op=Average and op=Sum, got {op.name}")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    n = _group_size(process_set)
-    host, restore = staging.to_host(tensor.detach())
-    wire, ctx = compression.compress(host)
-    buf = wire.contiguous().clone()
-    if prescale_factor != 1.0:
-        buf.mul_(prescale_factor)
-    part = comm.reduce_scatter(buf, op="sum", group=_group(process_set))
-    factor = postscale_factor / n if op == ReduceOp.Average else postscale_factor
-    if factor != 1.0:
-        part = part * factor if part.dtype.is_floating_point else (part.double() * factor).to(part.dtype)
-    return restore(compression.decompress(part, ctx))
+    op = _negotiate("reducescatter", [tensor], process_set,
+                    lambda: (_require_dims(tensor, "reducescatter"), _reducescatter_op(op))[1],
+                    op=_op_field(op), prescale=float(prescale_factor), postscale=float(postscale_factor))
+    wire, cctx = compression.compress(tensor)
+    if _wants_grad([tensor]):
+        part = _ReducescatterFn.apply(wire, op, process_set, prescale_factor, postscale_factor)
+    else:
+        part = _reducescatter_raw(wire, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(part, cctx)
 
 
+@_traced("REDUCESCATTER")
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                         op: Optional[int] = None, process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """:func:`reducescatter` behind a handle (runs when called)."""
-    return Handle(result=reducescatter(tensor, name, compression, op, process_set, prescale_factor,
-                                       postscale_factor), name=name or "reducescatter")
+    """Start :func:`reducescatter` in the background; ``synchronize`` returns this rank's part."""
+    _require_init("hvd.reducescatter_async")
+    t = _check_tensor(tensor, "reducescatter_async").detach()
+
+    def run(rop: ReduceOp) -> torch.Tensor:
+        wire, cctx = compression.compress(t)
+        return compression.decompress(_reducescatter_raw(wire, rop, process_set, prescale_factor, postscale_factor),
+                                      cctx)
+
+    return _submit("reducescatter", [t], process_set,
+                   lambda: (_require_dims(t, "reducescatter"), _reducescatter_op(op))[1], run,
+                   name or "reducescatter", op=_op_field(op), prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
+
+
+class _GroupedReducescatterFn(torch.autograd.Function):
+    """Horovod's HorovodGroupedReducescatter: scaled output gradients, grouped-allgathered."""
+
+    @staticmethod
+    def forward(ctx, op, process_set, prescale, postscale, *tensors):  # type: ignore[override]
+        ctx.args = (op, process_set, prescale, postscale)
+        return tuple(_reducescatter_raw(t, op, process_set, prescale, postscale) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        op, process_set, prescale, postscale = ctx.args
+        factor = (_group_size(process_set) if op == ReduceOp.Sum else 1) * prescale * postscale
+        return (None, None, None, None, *[_allgather_raw(g * factor, process_set) for g in grads])
+
+
+@_traced("REDUCESCATTER")
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Any = Compression.none, op: Optional[int] = None,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """:func:`reducescatter` of each tensor of a list; returns the list of parts (differentiable)."""
+    _require_init("hvd.grouped_reducescatter")
+    tensors = [_check_tensor(t, "grouped_reducescatter") for t in tensors]
+    op = _negotiate("grouped_reducescatter", tensors, process_set,
+                    lambda: ([_require_dims(t, "reducescatter") for t in tensors], _reducescatter_op(op))[1],
+                    op=_op_field(op), prescale=float(prescale_factor), postscale=float(postscale_factor))
+    wires, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
+    if _wants_grad(tensors):
+        parts = _GroupedReducescatterFn.apply(op, process_set, prescale_factor, postscale_factor, *wires)
+    else:
+        parts = [_reducescatter_raw(w, op, process_set, prescale_factor, postscale_factor) for w in wires]
+    return [compression.decompress(p, c) for p, c in zip(parts, ctxs)]
+
+
+@_traced("REDUCESCATTER")
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: Optional[int] = None, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start :func:`grouped_reducescatter` in the background; ``synchronize`` returns the parts."""
+    _require_init("hvd.grouped_reducescatter_async")
+    ts = [_check_tensor(t, "grouped_reducescatter_async").detach() for t in tensors]
+    return _submit("grouped_reducescatter", ts, process_set,
+                   lambda: ([_require_dims(t, "reducescatter") for t in ts], _reducescatter_op(op))[1],
+                   lambda rop: [_reducescatter_raw(t, rop, process_set, prescale_factor, postscale_factor)
+                                for t in ts],
+                   name or "grouped_reducescatter", op=_op_field(op), prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
+
+
+# --------------------------------------------------------------------------- sparse
+class _CallableHandle(Handle):
+    """Horovod's sparse_allreduce_async returns a function that yields the result; this handle
+    is both that function and a handle for ``synchronize``/``poll``."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Any:
+        return self.wait()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Reduce a sparse COO tensor by allgathering its indices and values (Horovod's sparse
+    path): duplicates add up when the result is coalesced; op=Average divides the values by the
+    set size. Call the returned handle (or ``synchronize`` it) for the result."""
+    _require_init("hvd.sparse_allreduce_async")
+    t = tensor
+    indices = _allgather_raw(t._indices().transpose(0, 1).contiguous(), process_set)
+    values = _allgather_raw(t._values().contiguous(), process_set)
+    if _resolve_op(None, op) == ReduceOp.Average:
+        values = values / _group_size(process_set)
+    result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, t.size())
+    return _CallableHandle(result=result, name=f"{name}")
 
 
 # --------------------------------------------------------------------------- join, barrier
@@ -729,6 +1185,7 @@ def join(device: int = -1) -> int:
     return max(range(len(arrived)), key=lambda r: (arrived[r], r))
 
 
+@_traced("BARRIER")
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached the barrier."""
     _require_init("hvd.barrier")

@@ -134,7 +134,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       ``size/factor`` after it (helps fp16 range).
     - ``groups``: an int (split the parameters into that many fused groups) or lists of
       parameters, each reduced as one unit; default: fuse by ``HPCTRAIN_FUSION_THRESHOLD`` bytes.
-    - ``sparse_as_dense``: accepted; sparse gradients always accumulate densely into the bucket.
+    - ``sparse_as_dense``: False (default): sparse gradients (``nn.Embedding(sparse=True)``)
+      stay sparse; their indices and values are allgathered, as in Horovod. True: they are
+      made dense and all-reduced with the other gradients.
     - ``process_set``: average over these ranks only (default: all). A registered
       ``hvd.ProcessSet`` (``hvd.add_process_set``) or an ``hpctrain.comm.Group`` (``comm.split``,
       ``comm.new_group``); only its members create the optimizer, and they must agree on it.
@@ -292,6 +294,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for slot in bucket.slots:
                 self._slot_scale[slot.index] = self._bucket_scale[b]
         self._adopted = [False] * len(self._params)  # gradient already in its slot this round
+        self._sparse_grads: Dict[int, torch.Tensor] = {}  # sparse gradients of this round (Horovod's path)
         if isinstance(self._strategy, AllReduce) and not self._passthrough:
             self._register_hooks()
         if self._rank == 0:
@@ -510,6 +513,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         g = p.grad
         if g is None:
             view.zero_()  # no gradient on this rank: contribute zeros (another rank may have one)
+        elif g.is_sparse and not self.sparse_as_dense and isinstance(self._strategy, AllReduce):
+            # Horovod's sparse path: the gradient stays sparse and is allgathered in
+            # synchronize(); its bucket slot carries zeros.
+            view.zero_()
+            self._sparse_grads[i] = g
+            return
         else:
             if g.is_sparse:
                 g = g.to_dense()
@@ -555,6 +564,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._predivide != 1.0:
             buf.mul_(self._predivide / self._size)
 
+    def _reduce_sparse(self) -> None:
+        """Allgather the indices and values of each sparse gradient (parameter order, the same
+        on every rank, after every bucket): duplicates add up; Average divides by the size."""
+        for i in sorted(self._sparse_grads):
+            g = self._sparse_grads[i]
+            indices = comm.allgather(g._indices().transpose(0, 1).contiguous(), group=self._group)
+            values = comm.allgather(g._values().contiguous(), group=self._group)
+            if self._op == ReduceOp.Average:
+                values = values / self._size
+            self._params[i].grad = torch.sparse_coo_tensor(indices.transpose(0, 1), values, g.size())
+        self._sparse_grads = {}
+
     def _reset_round(self) -> None:
         for b, bucket in enumerate(self.plan.buckets):
             self._states[b] = _BucketState(len(bucket.slots))
@@ -587,6 +608,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._launch_ready()
                 for b in range(len(self._states)):
                     self._finish(b)
+                self._reduce_sparse()
                 self._reset_round()
         elif isinstance(self._strategy, ParameterServer):
             self._reduce_to_server()
@@ -637,7 +659,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for buf in self._buffers:
             buf.zero_()
         for i, p in enumerate(self._params):
-            if p.grad is not self._views[i]:
+            if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+                p.grad = None  # the next backward pass makes a fresh sparse gradient
+            elif p.grad is not self._views[i]:
                 p.grad = self._views[i]
 
     def step(self, closure: Optional[Callable[[], float]] = None, *, num_samples: Optional[float] = None) -> Any:

@@ -38,10 +38,16 @@ def _expected(model):
     return [sum(gs) / len(MINE) for gs in zip(*per_rank)]
 
 
+_SETS = []
+
+
 def _process_sets():
-    """The two sets, registered on every rank in the same order (add_process_set is collective)."""
-    sets = [hvd.add_process_set([r for r in range(N) if r // HALF == k]) for k in range((N + HALF - 1) // HALF)]
-    return sets[R // HALF]
+    """The two sets, registered once on every rank in the same order (add_process_set is
+    collective and, as in Horovod, refuses to register the same ranks twice)."""
+    if not _SETS:
+        _SETS.extend(hvd.add_process_set([r for r in range(N) if r // HALF == k])
+                     for k in range((N + HALF - 1) // HALF))
+    return _SETS[R // HALF]
 
 
 @pytest.mark.parametrize("kind", ["comm_group", "process_set"])

@@ -1,0 +1,413 @@
+"""Conformance of hpctrain.torch with horovod.torch 0.28, one test per semantic.
+
+Every expected value is derived from Horovod's own definitions (horovod/torch/mpi_ops.py and
+functions.py of 0.28.1, and the C++ ScaleBuffer / ReducescatterOp it calls), written next to
+each test as the rule it checks. The file uses only names that exist in both packages, so it
+runs against Horovod with ``HVD_MODULE=horovod.torch HOROVOD_TIMELINE=DYNAMIC``.
+"""
+import importlib
+import os
+
+import pytest
+import torch
+
+hvd = importlib.import_module(os.environ.get("HVD_MODULE", "hpctrain.torch"))
+IS_HOROVOD = hvd.__name__.startswith("horovod")
+
+RANKS = (2, 3)
+TIMEOUT = 240
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+torch.set_num_threads(1)
+
+# Process sets are registered collectively, once, in the same order on every rank.
+EVEN = hvd.add_process_set([r for r in range(N) if r % 2 == 0])
+ODD = hvd.add_process_set([r for r in range(N) if r % 2 == 1])
+# Every rank but 0: set positions differ from global ranks (at 2 ranks that is ODD; Horovod
+# refuses to register the same ranks twice).
+TAIL = ODD if N == 2 else hvd.add_process_set(list(range(1, N)))
+MY_PARITY = EVEN if R % 2 == 0 else ODD
+PARITY_RANKS = [r for r in range(N) if r % 2 == R % 2]
+
+
+def rows_of(dim0, rank, n):
+    """ReducescatterOp::ComputeOutputShapeForRank: the first dim0 % n ranks get one row more."""
+    return dim0 // n + (1 if rank < dim0 % n else 0)
+
+
+# --------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("op,expected", [("Sum", N), ("Average", 1.0), ("Max", 1.0)])
+def test_allreduce_gradient_reduces_with_the_forward_op(op, expected):
+    # HorovodAllreduce.backward: allreduce(grad_output, op=ctx.op, same scale factors, same set).
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    y = hvd.allreduce(x, op=getattr(hvd, op))
+    assert y.grad_fn is not None
+    y.backward(torch.ones(3, dtype=torch.float64))
+    assert torch.allclose(x.grad, torch.full((3,), float(expected), dtype=torch.float64))
+
+
+def test_allreduce_gradient_uses_the_scale_factors():
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=3.0).sum().backward()
+    assert torch.allclose(x.grad, torch.full((2,), 6.0 * N, dtype=torch.float64))
+
+
+def test_grouped_allreduce_gradient():
+    # HorovodGroupedAllreduce.backward: grouped_allreduce of the output gradients.
+    xs = [torch.ones(2, dtype=torch.float64, requires_grad=True), torch.ones(3, 2, requires_grad=True)]
+    ys = hvd.grouped_allreduce(xs, op=hvd.Sum)
+    assert all(y.grad_fn is not None for y in ys)
+    sum(y.sum() * (R + 1) for y in ys).backward()
+    for x in xs:
+        assert torch.allclose(x.grad.double(), torch.full(x.shape, N * (N + 1) / 2, dtype=torch.float64))
+
+
+def test_allgather_gradient_is_my_slice_of_the_average():
+    # HorovodAllgather.backward: allreduce(grad_output, average=True), narrowed to this rank's rows.
+    x = torch.ones(R + 1, 2, dtype=torch.float64, requires_grad=True)
+    out = hvd.allgather(x)
+    out.backward(torch.full_like(out, float(R + 1)))
+    assert torch.allclose(x.grad, torch.full_like(x, (N + 1) / 2))
+
+
+def test_allgather_gradient_horovod_test_form():
+    # test_horovod_allgather_grad: the same grad_ys on every rank gives rank r the rows valued r.
+    x = torch.ones(R + 2, 3, dtype=torch.float64, requires_grad=True)
+    out = hvd.allgather(x)
+    grad_ys = torch.cat([torch.full((r + 2, 3), float(r), dtype=torch.float64) for r in range(N)])
+    out.backward(grad_ys)
+    assert torch.equal(x.grad, torch.full_like(x, float(R)))
+
+
+def test_grouped_allgather_forward_and_gradient():
+    xs = [torch.full((R + 1,), float(R), requires_grad=True),
+          torch.ones(R + 1, 2, dtype=torch.float64, requires_grad=True)]
+    outs = hvd.grouped_allgather(xs)
+    assert torch.equal(outs[0].detach(), torch.cat([torch.full((r + 1,), float(r)) for r in range(N)]))
+    assert outs[1].shape == (N * (N + 1) // 2, 2)
+    (outs[0].sum() * (R + 1) + outs[1].sum() * (R + 1)).backward()
+    for x in xs:
+        assert torch.allclose(x.grad.double(), torch.full(x.shape, (N + 1) / 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("root", sorted({0, N - 1}))
+def test_broadcast_gradient_goes_to_root_only(root):
+    # HorovodBroadcast.backward: allreduce(grad_output, average=True); zero where rank() != root_rank.
+    x = torch.full((3,), float(R), dtype=torch.float64, requires_grad=True)
+    y = hvd.broadcast(x, root)
+    assert torch.equal(y.detach(), torch.full((3,), float(root), dtype=torch.float64))
+    y.backward(torch.full((3,), float(R + 1), dtype=torch.float64))
+    assert torch.allclose(x.grad, torch.full((3,), (N + 1) / 2 if R == root else 0.0, dtype=torch.float64))
+
+
+def test_alltoall_gradient_returns_to_the_sender():
+    # HorovodAlltoall.backward: alltoall(grad_output, splits=received_splits): every row's
+    # gradient goes back to the rank it came from, so grad_output = output gives grad = input.
+    splits = [(R + d) % 3 + 1 for d in range(N)]
+    x = torch.arange(sum(splits) * 2, dtype=torch.float64).reshape(-1, 2).add(100 * R).requires_grad_(True)
+    out, received = hvd.alltoall(x, splits=splits)
+    assert received.dtype == torch.int32 and received.tolist() == [(r + R) % 3 + 1 for r in range(N)]
+    out.backward(out.detach())
+    assert torch.equal(x.grad, x.detach())
+    y = torch.ones(2 * N, dtype=torch.float64, requires_grad=True)
+    hvd.alltoall(y).sum().backward()  # even split: a single tensor comes back
+    assert torch.equal(y.grad, torch.ones_like(y))
+
+
+@pytest.mark.parametrize("op,factor", [("Average", 1), ("Sum", N)])
+def test_reducescatter_gradient_is_an_allgather(op, factor):
+    # HorovodReducescatter.backward: grad_output * (size if Sum) * prescale * postscale, allgathered.
+    dim0 = 2 * N + 1
+    x = torch.ones(dim0, 2, dtype=torch.float64, requires_grad=True)
+    part = hvd.reducescatter(x, op=getattr(hvd, op), prescale_factor=2.0)
+    assert part.shape == (rows_of(dim0, R, N), 2) and part.grad_fn is not None
+    part.backward(torch.full_like(part, float(R + 1)))
+    expected = torch.cat([torch.full((rows_of(dim0, r, N), 2), float(r + 1)) for r in range(N)]).double()
+    assert torch.allclose(x.grad, expected * factor * 2.0)
+
+
+def test_grouped_reducescatter_forward_and_gradient():
+    xs = [torch.full((N + 1, 2), float(R + 1), dtype=torch.float64, requires_grad=True),
+          torch.full((N,), float(R + 1), dtype=torch.float64, requires_grad=True)]
+    parts = hvd.grouped_reducescatter(xs, op=hvd.Sum)
+    assert parts[0].shape == (rows_of(N + 1, R, N), 2) and parts[1].shape == (1,)
+    assert torch.allclose(parts[1], torch.full((1,), N * (N + 1) / 2, dtype=torch.float64))
+    sum(p.sum() for p in parts).backward()
+    for x in xs:
+        assert torch.allclose(x.grad, torch.full_like(x, float(N)))
+
+
+# --------------------------------------------------------------------------- integer scaling
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_integer_prescale_postscale_truncate(dtype):
+    # ScaleBufferCPUImpl: output = scale_factor (double) * input, stored back in the integer type.
+    x = torch.full((4,), R + 1, dtype=dtype)
+    out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.5)
+    assert out.dtype == dtype
+    assert out.tolist() == [sum(int(2.5 * (r + 1)) for r in range(N))] * 4
+    out = hvd.allreduce(x, op=hvd.Sum, postscale_factor=0.5)
+    assert out.tolist() == [int(0.5 * (N * (N + 1) // 2))] * 4
+
+
+def test_integer_average_is_sum_times_one_over_size():
+    # Average: the sum scaled by postscale_factor / size, truncated.
+    x = torch.full((3,), R + 1, dtype=torch.int32)
+    assert hvd.allreduce(x).tolist() == [int(N * (N + 1) / 2 * (1.0 / N))] * 3
+    y = x.clone()
+    hvd.allreduce_(y, op=hvd.Average, prescale_factor=3.0)
+    assert y.tolist() == [int(3 * N * (N + 1) / 2 * (1.0 / N))] * 3
+
+
+# --------------------------------------------------------------------------- names
+def test_duplicate_process_set_is_refused():
+    with pytest.raises(ValueError):
+        hvd.add_process_set([r for r in range(N) if r % 2 == 0])
+
+
+def test_exceptions_exist_with_horovods_bases():
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError)
+    assert hvd.HostsUpdatedInterrupt(True).skip_sync is True
+
+
+def test_grouped_async_variants():
+    h = hvd.grouped_allgather_async([torch.full((1,), float(R)), torch.full((2,), float(R))])
+    outs = hvd.synchronize(h)
+    assert [o.tolist() for o in outs] == [[float(r) for r in range(N)], [float(r) for r in range(N) for _ in (0, 1)]]
+    h = hvd.grouped_reducescatter_async([torch.ones(N, 3)], op=hvd.Sum)
+    (part,) = hvd.synchronize(h)
+    assert torch.equal(part, torch.full((1, 3), float(N)))
+
+
+def test_sparse_allreduce_async_allgathers_indices_and_values():
+    # sparse_allreduce_async: allgather of indices and values; Average divides the values by size.
+    t = torch.sparse_coo_tensor(torch.tensor([[R, N]]), torch.tensor([1.0, float(R + 1)]), (N + 1,))
+    handle = hvd.sparse_allreduce_async(t, name="sparse.test", op=hvd.Average)
+    result = handle()
+    dense = result.to_dense()
+    expected = torch.zeros(N + 1)
+    expected[:N] = 1.0 / N
+    expected[N] = (N + 1) / 2
+    assert torch.allclose(dense, expected)
+
+
+# --------------------------------------------------------------------------- process sets
+def test_broadcast_root_is_a_global_rank_in_a_process_set():
+    if R == 0:
+        return  # not a member of TAIL
+    root = N - 1  # global rank; its position in TAIL is N - 2
+    x = torch.full((2,), float(R))
+    assert torch.equal(hvd.broadcast(x, root, process_set=TAIL), torch.full((2,), float(root)))
+    y = x.clone()
+    hvd.broadcast_(y, root, process_set=TAIL)
+    assert torch.equal(y, torch.full((2,), float(root)))
+    assert hvd.broadcast_object({"r": R}, root_rank=root, process_set=TAIL) == {"r": root}
+
+
+def test_broadcast_object_in_parity_sets():
+    root = PARITY_RANKS[-1]
+    assert hvd.broadcast_object(("from", R), root_rank=root, process_set=MY_PARITY) == ("from", root)
+
+
+def test_distributed_optimizer_with_even_and_odd_sets():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(), process_set=MY_PARITY)
+    # loss = (R + 1) * sum(w): each rank's gradient is R + 1; the set averages over its ranks.
+    (model.weight.sum() * (R + 1)).backward()
+    opt.step()
+    mean = sum(r + 1 for r in PARITY_RANKS) / len(PARITY_RANKS)
+    assert torch.allclose(model.weight.detach(), torch.full((1, 2), 1.0 - mean, dtype=torch.float64))
+    w = torch.full((2,), float(R))
+    hvd.broadcast_(w, root_rank=PARITY_RANKS[-1], process_set=MY_PARITY)  # root: a global rank
+    assert torch.equal(w, torch.full((2,), float(PARITY_RANKS[-1])))
+
+
+# --------------------------------------------------------------------------- reducescatter
+@pytest.mark.parametrize("dim0", [N, N + 1, 2 * N - 1])
+def test_reducescatter_uneven_rows_and_average(dim0):
+    x = torch.arange(dim0, dtype=torch.float64).reshape(dim0, 1) * (R + 1)
+    start = sum(rows_of(dim0, r, N) for r in range(R))
+    mine = torch.arange(start, start + rows_of(dim0, R, N), dtype=torch.float64).reshape(-1, 1)
+    assert torch.allclose(hvd.reducescatter(x), mine * (N + 1) / 2)  # default op is Average
+    assert torch.allclose(hvd.reducescatter(x, op=hvd.Sum), mine * N * (N + 1) / 2)
+
+
+def test_reducescatter_in_a_process_set():
+    x = torch.full((3, 2), float(R + 1))
+    part = hvd.reducescatter(x, op=hvd.Sum, process_set=MY_PARITY)
+    me = PARITY_RANKS.index(R)
+    assert part.shape == (rows_of(3, me, len(PARITY_RANKS)), 2)
+    assert torch.allclose(part, torch.full_like(part, float(sum(r + 1 for r in PARITY_RANKS))))
+
+
+# --------------------------------------------------------------------------- init(comm=...)
+def test_init_accepts_a_rank_list_and_a_communicator():
+    from mpi4py import MPI
+
+    hvd.init(comm=list(range(N)))
+    hvd.init(comm=MPI.COMM_WORLD)
+    assert (hvd.rank(), hvd.size()) == (R, N)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == N
+
+
+# --------------------------------------------------------------------------- errors
+def _still_usable():
+    assert hvd.allreduce(torch.full((2,), float(R)), op=hvd.Sum).tolist() == [N * (N - 1) / 2] * 2
+    assert hvd.broadcast(torch.full((1,), float(R)), N - 1).item() == N - 1
+
+
+def test_root_outside_the_set_raises_everywhere():
+    # EnqueueTensorBroadcast: "broadcast received invalid root rank" is an InvalidArgument (ValueError).
+    with pytest.raises(ValueError):
+        hvd.broadcast(torch.ones(2), N)
+    if R != 0:
+        with pytest.raises(ValueError):
+            hvd.broadcast(torch.ones(2), 0, process_set=TAIL)  # rank 0 is not in TAIL
+    _still_usable()
+
+
+def test_mismatched_root_raises_on_every_rank():
+    # Controller: "Mismatched broadcast root ranks" reaches every rank through synchronize().
+    with pytest.raises(RuntimeError):
+        hvd.broadcast(torch.ones(2), 0 if R == 0 else 1)
+    _still_usable()
+
+
+def test_mismatched_shapes_and_dtypes_raise_on_every_rank():
+    with pytest.raises(RuntimeError):
+        hvd.allgather(torch.ones(2, R + 1))  # dims other than the first must match
+    with pytest.raises(RuntimeError):
+        hvd.broadcast(torch.ones(2, dtype=torch.float32 if R == 0 else torch.float64), 0)
+    with pytest.raises(RuntimeError):
+        hvd.reducescatter(torch.ones(N + R, 2))
+    with pytest.raises(RuntimeError):
+        hvd.allreduce(torch.ones(R + 1), name="mismatch.allreduce")
+    _still_usable()
+
+
+def test_scalar_to_reducescatter_raises_everywhere():
+    # GetReducescatterOutputShape: "Reducescatter does not support scalar inputs" (ValueError).
+    with pytest.raises(ValueError):
+        hvd.reducescatter(torch.tensor(1.0))
+    if not IS_HOROVOD:  # Horovod raises on that rank only and the others wait for it forever
+        with pytest.raises((ValueError, RuntimeError)):  # one rank's scalar: every rank raises
+            hvd.reducescatter(torch.tensor(1.0) if R == N - 1 else torch.ones(N))
+    _still_usable()
+
+
+def test_duplicate_pending_name_raises_and_the_first_survives():
+    # TensorQueue::AddToTensorQueue: DUPLICATE_NAME_ERROR (InvalidArgument: ValueError).
+    x = torch.full((3,), float(R))
+    first = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)
+    with pytest.raises(ValueError):
+        hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)
+    assert hvd.synchronize(first).tolist() == [N * (N - 1) / 2] * 3
+    again = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)  # free again once synchronized
+    assert hvd.synchronize(again).tolist() == [N * (N - 1) / 2] * 3
+    _still_usable()
+
+
+# --------------------------------------------------------------------------- timeline
+def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path):
+    # Timeline: rank 0 writes JSON events; each tensor name is a trace "process" (M events),
+    # each operation a B/E pair named after it; the file is valid JSON once stopped.
+    import json
+
+    path = hvd.broadcast_object(str(tmp_path / "timeline.json"), root_rank=0)
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(2), name="tl.reduce")
+    hvd.allgather(torch.ones(1), name="tl.gather")
+    hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="tl.async"))
+    hvd.stop_timeline()
+    if R != 0:
+        return
+    events = json.load(open(path))
+    names = {e["args"]["name"]: e["pid"] for e in events if e.get("name") == "process_name"}
+    assert {"tl.reduce", "tl.gather", "tl.async"} <= set(names)
+    ops = {(e["pid"], e["name"]) for e in events if e["ph"] == "B"}
+    assert (names["tl.reduce"], "ALLREDUCE") in ops and (names["tl.gather"], "ALLGATHER") in ops
+    assert (names["tl.async"], "ALLREDUCE") in ops
+    assert sum(e["ph"] == "B" for e in events) == sum(e["ph"] == "E" for e in events)
+
+
+# --------------------------------------------------------------------------- sparse gradients
+def _embedding_batch(rank):
+    return torch.tensor([[rank % 4, 4], [rank + 1, 5 + rank % 3]])
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_embedding_with_sparse_adam(sparse_as_dense):
+    # DistributedOptimizer: a sparse gradient goes through sparse_allreduce_async (allgather of
+    # indices and values, values / size for Average); sparse_as_dense all-reduces it densely.
+    def make():
+        torch.manual_seed(1)
+        return torch.nn.Embedding(8, 3, sparse=True).double()
+
+    model, ref = make(), make()
+    inner = torch.optim.SparseAdam(model.parameters(), lr=0.1) if not sparse_as_dense else \
+        torch.optim.Adam(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+    for _ in range(2):
+        opt.zero_grad()
+        model(_embedding_batch(R)).pow(2).sum().backward()
+        opt.step()
+        if not sparse_as_dense:
+            assert model.weight.grad.is_sparse
+    # Reference: one process, the average of every rank's gradient, the same optimizer.
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1) if not sparse_as_dense else \
+        torch.optim.Adam(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        grads = []
+        for r in range(N):
+            ref.zero_grad()
+            ref(_embedding_batch(r)).pow(2).sum().backward()
+            grads.append(ref.weight.grad.coalesce() if not sparse_as_dense else ref.weight.grad.to_dense())
+        g = grads[0]
+        for other in grads[1:]:
+            g = g + other
+        ref.weight.grad = (g / N).coalesce() if not sparse_as_dense else g / N
+        ref_opt.step()
+    assert torch.allclose(model.weight.detach(), ref.weight.detach(), atol=1e-12)
+
+
+# --------------------------------------------------------------------------- asynchronous ops
+@pytest.mark.parametrize("kind", ["allgather", "broadcast", "alltoall", "reducescatter"])
+def test_async_ops_return_before_the_others_arrive(kind):
+    # Every *_async op is enqueued and returns a handle; poll() is False until it has run.
+    import time
+
+    x = torch.full((N, 2), float(R + 1))
+    start = {"allgather": lambda: hvd.allgather_async(x), "broadcast": lambda: hvd.broadcast_async(x, 0),
+             "alltoall": lambda: hvd.alltoall_async(x), "reducescatter": lambda: hvd.reducescatter_async(x, op=hvd.Sum)}
+    hvd.barrier()
+    if R != 0:
+        time.sleep(1.5)  # rank 0 submits long before the others
+    t0 = time.perf_counter()
+    handle = start[kind]()
+    submitted = time.perf_counter() - t0
+    if R == 0:
+        assert submitted < 1.0 and not hvd.poll(handle)
+    out = hvd.synchronize(handle)
+    assert hvd.poll(handle)
+    expected = {"allgather": lambda: torch.cat([torch.full((N, 2), float(r + 1)) for r in range(N)]),
+                "broadcast": lambda: torch.full((N, 2), 1.0),
+                "alltoall": lambda: torch.tensor([[float(r + 1)] * 2 for r in range(N)]),
+                "reducescatter": lambda: torch.full((1, 2), N * (N + 1) / 2)}[kind]()
+    if kind == "alltoall":  # Horovod's alltoall_async handle yields (output, received_splits)
+        out, received = out
+        assert received.tolist() == [1] * N
+    assert torch.equal(out, expected)
+
+
+def test_async_errors_reach_every_rank():
+    with pytest.raises(ValueError):
+        hvd.broadcast_async(torch.ones(2), N)  # invalid root: raised when enqueued
+    handle = hvd.broadcast_async(torch.ones(2), 0 if R == 0 else N - 1)  # mismatched roots
+    with pytest.raises(RuntimeError):
+        hvd.synchronize(handle)
+    _still_usable()
