@@ -33,7 +33,7 @@ def data(tmp_path_factory):
 
 def write_config(path: Path, data: Path, run_dir: Path, extra: str = "", train: str = "train") -> Path:
     path.write_text(f"""
-model: {{factory: "hpctrain.train.models:mlp", kwargs: {{hidden: [32], input_scale: 0.0625}}}}
+model: {{factory: "hpctrain.train.models:mlp", kwargs: {{hidden: [32], input_scale: 0.0625, num_classes: 10}}}}
 data: {{train: ["{data / (train + '.h5')}"]}}
 optimizer: {{name: adam, lr: 0.003}}
 batch_size: 16
