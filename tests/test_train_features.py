@@ -28,6 +28,19 @@ def data(tmp_path_factory):
     np.savez(base / "test.npz", x=x[900:1200], y=d.target[900:1200].astype(np.int64))
     pack([str(base / "train.npz")], str(base / "train.h5"), quiet=True)
     pack([str(base / "test.npz")], str(base / "test.h5"), quiet=True)
+    meta = np.stack([x[:, :8].mean(1), x[:, 56:].mean(1)], axis=1).astype(np.float32)
+    np.savez(base / "two.npz", image=x[:900] / 200, meta=meta[:900] / 200, y=d.target[:900].astype(np.int64))
+    pack([str(base / "two.npz")], str(base / "two.h5"), quiet=True)
+    (base / "two.py").write_text(
+        "import torch\n"
+        "class Two(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(64, 10), torch.nn.Linear(2, 10)\n"
+        "    def forward(self, image, meta):\n"
+        "        return self.a(image) + self.b(meta)\n"
+        "def net():\n"
+        "    return Two()\n")
     (base / "mine.py").write_text(
         "import torch\n"
         "def loss(out, y):\n"
@@ -97,13 +110,20 @@ def test_user_loss_metrics_bf16_clip_normalize_best_and_resume(data, tmp_path):
 
 def test_early_stopping_stops_every_rank_with_a_checkpoint(data, tmp_path):
     run_dir = tmp_path / "stop"
-    cfg = config(data, run_dir, "early_stopping: {metric: loss, patience: 1, min_delta: 100}")
+    cfg = config(data, run_dir, "early_stopping: {metric: loss, patience: 1, min_delta: 100}\ntensorboard: true")
     r = run_mpi(2, [*HPCTRAIN, "train", str(cfg)], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "early stopping: loss did not improve" in r.stdout
     stop = [e for e in records(run_dir) if e.get("what") == "early_stop"]
     assert stop and stop[0]["step"] == 40          # evals at 20 (best) and 40 (no improvement of 100)
     assert (run_dir / "checkpoints" / "ckpt-000000040.pt").exists()
+    # TensorBoard scalars (the 'tensorboard' extra): train, eval and per-rank resource tags
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/cpu_percent", "eval/test_f1"} <= tags, tags
 
 
 @pytest.mark.parametrize("extra,says", [
@@ -127,3 +147,26 @@ def test_wine_example_reaches_095_on_2_ranks(tmp_path):
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("wine:")][-1]
     acc = float(line.split("test accuracy ")[1].split(",")[0])
     assert acc >= 0.95, line
+
+
+def test_several_inputs_reach_the_forward_in_order(data, tmp_path):
+    run_dir = tmp_path / "two"
+    cfg = data / "two.yaml"
+    cfg.write_text(f"""
+model: {{factory: two.py:net}}
+data: {{train: [two.h5], test: [two.h5], keys: {{x: [image, meta], y: y}}}}
+optimizer: {{name: adam, lr: 0.01}}
+batch_size: 16
+steps: 40
+eval: {{metrics: [accuracy]}}
+run_dir: "{run_dir}"
+quiet: true
+threads: 1
+""")
+    r = run_mpi(2, [*HPCTRAIN, "train", str(cfg)], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:]
+    evals = [e for e in records(run_dir) if e["kind"] == "eval"]
+    assert evals and evals[-1]["test_accuracy"] > 0.5
+    r = subprocess.run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--set", "data.normalize=standard"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=str(ROOT), timeout=120)
+    assert r.returncode == 2 and "data.normalize applies to one input" in r.stderr

@@ -105,7 +105,7 @@ def infer_model_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
 
     features, classes = wanted
     if features and features not in kwargs:
-        xk = cfg.data.keys["x"]
+        xk = cfg.data.x_key
         shape = describe(expand_paths(list(cfg.data.train))[0], [xk]).keys[xk].shape[1:]
         kwargs[features] = int(np.prod(shape, dtype=np.int64))
     spec = parse_loss(cfg.loss)
@@ -140,7 +140,7 @@ def resolve_batch_size(cfg: TrainConfig, max_batch: int) -> int:
     from hpctrain.data.loader import _torch_dtype
     from hpctrain.probe import tune_batch_size
 
-    xk, yk = cfg.data.keys["x"], cfg.data.keys["y"]
+    xk, yk = cfg.data.x_key, cfg.data.keys["y"]
     info = describe(expand_paths(list(cfg.data.train))[0], [xk, yk])
     xshape, yshape = info.keys[xk].shape[1:], info.keys[yk].shape[1:]
     xdt = _torch_dtype(cfg.data.dtypes.get("x", "float32")) or torch.float32
@@ -263,7 +263,9 @@ class Run:
             self.test_ds.close()
 
     def _dtypes(self) -> Dict[str, str]:
-        dtypes = {self.cfg.data.keys[role]: dt for role, dt in self.cfg.data.dtypes.items()}
+        data = self.cfg.data
+        names = {"x": data.x_keys, "y": [data.keys["y"]]}
+        dtypes = {k: dt for role, dt in data.dtypes.items() for k in names[role]}
         return {k: v for k, v in dtypes.items() if k in self.keys}
 
     def _driver(self) -> Any:
@@ -520,7 +522,7 @@ def normalizer_from_data(run: Run) -> Any:
     from hpctrain.train.task import compute_normalizer
 
     cfg = run.cfg
-    xk = cfg.data.keys["x"]
+    xk = cfg.data.x_key
     ds = HDF5Dataset(cfg.data.train, keys=[xk], batch_size=run.plan.batch_size, policy="contiguous",
                      shuffle=False, drop_last=False, rank=run.data_rank, world_size=run.data_world,
                      dtypes={xk: cfg.data.dtypes.get("x", "float32")}, prefetch=0)

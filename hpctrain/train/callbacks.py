@@ -219,7 +219,7 @@ class Evaluation(Callback):
         run.metrics.write({"kind": "eval", "step": st.step, "epoch": st.epoch, **results})
         if run.tb is not None:
             for key, v in results.items():
-                if v is not None:
+                if isinstance(v, (int, float)):  # lists (per class, confusion matrix) are not scalars
                     run.tb.add_scalar("eval/" + key, v, st.step)
 
 

@@ -215,7 +215,10 @@ def check_data_fits_model(cfg: Any, model: torch.nn.Module, factory: Callable[..
     from hpctrain.data.labels import label_summary, merge
     from hpctrain.data.loader import _torch_dtype
 
-    xk, yk = cfg.data.keys["x"], cfg.data.keys["y"]
+    x = cfg.data.keys["x"]
+    if not isinstance(x, str):
+        return  # several inputs: the model's own forward says what it takes (no single width)
+    xk, yk = x, cfg.data.keys["y"]
     info = describe(expand_paths(list(cfg.data.train))[0], [xk]).keys[xk]
     dtype = _torch_dtype(cfg.data.dtypes.get("x") or info.dtype) or torch.float32
     try:

@@ -73,7 +73,7 @@ class DataConfig:
 
     train: List[str] = field(default_factory=list)
     test: List[str] = field(default_factory=list)
-    keys: Dict[str, str] = field(default_factory=lambda: {"x": "x", "y": "y"})
+    keys: Dict[str, Union[str, List[str]]] = field(default_factory=lambda: {"x": "x", "y": "y"})
     dtypes: Dict[str, str] = field(default_factory=lambda: {"x": "float32", "y": "int64"})
     policy: str = "contiguous"
     shuffle: bool = True
@@ -90,6 +90,24 @@ class DataConfig:
         _need(set(self.dtypes) <= {"x", "y"}, f"data.dtypes: roles must be 'x'/'y', got {sorted(self.dtypes)}")
         _choice("data.policy", self.policy, POLICIES)
         _choice("data.normalize", self.normalize, NORMALIZE)
+        _need(isinstance(self.keys["y"], str), f"data.keys.y: {self.keys['y']!r}; expected one dataset name")
+        _need(bool(self.x_keys) and all(isinstance(k, str) and k for k in self.x_keys),
+              f"data.keys.x: {self.keys['x']!r}; expected a dataset name or a list of them "
+              "(the model's forward takes them in that order)")
+        _need(self.normalize == "none" or len(self.x_keys) == 1,
+              "data.normalize applies to one input, data.keys.x names several\nHINT: normalise in your model's "
+              "forward, or set data.normalize: none")
+
+    @property
+    def x_keys(self) -> List[str]:
+        """The input datasets, in the order the model's forward takes them."""
+        x = self.keys["x"]
+        return [x] if isinstance(x, str) else list(x)
+
+    @property
+    def x_key(self) -> str:
+        """The first input (its shape sizes a built-in model and the width check)."""
+        return self.x_keys[0]
         _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
         for i, w in enumerate(self.weights):
             _need(math.isfinite(w) and w > 0, f"data.weights[{i}]: {w} must be a positive number "

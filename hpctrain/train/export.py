@@ -240,6 +240,8 @@ def sample_input(config: Mapping[str, Any], rows: int = 2) -> torch.Tensor:
 
     data = config.get("data") or {}
     key = (data.get("keys") or {}).get("x", "x")
+    if isinstance(key, list):  # several inputs: the tracer's sample is the first
+        key = key[0]
     paths = [p for role in ("test", "train") for p in (data.get(role) or [])]
     try:
         info = describe(expand_paths(paths)[0], [key])

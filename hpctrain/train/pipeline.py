@@ -72,6 +72,9 @@ def check_runner_options(cfg: TrainConfig, pc: ParallelConfig) -> None:
     if cfg.batch_size == "auto":
         problems.append("batch_size: auto (the tuner measures a whole model on one rank; give the per-replica "
                         "batch, e.g. batch_size: 64)")
+    if len(cfg.data.x_keys) > 1:
+        problems.append("data.keys.x with several inputs (a pipeline's first stage takes one tensor; use one "
+                        "input key)")
     if cfg.checkpoint.keep_best:
         problems.append("checkpoint.keep_best (pipeline checkpoints are one folder per step; export the newest "
                         "with hpctrain export)")

@@ -119,18 +119,18 @@ class DataParallelStep:
             backend=cfg.sync.backend, fusion_threshold=cfg.sync.fusion_threshold)
 
     def loader_keys(self) -> List[str]:
-        return [self.cfg.data.keys["x"], self.cfg.data.keys["y"]]
+        return [*self.cfg.data.x_keys, self.cfg.data.keys["y"]]
 
     def train(self) -> None:
         self.module.train()
 
     def forward_backward(self, batch: Dict[str, torch.Tensor], scale: float, inject_nan: bool) -> BatchStats:
         cfg, dev = self.cfg, self.device
-        xk, yk = cfg.data.keys["x"], cfg.data.keys["y"]
+        yk = cfg.data.keys["y"]
         t1 = time.perf_counter()
-        x, y, mask = (batch[xk].to(dev, non_blocking=True), batch[yk].to(dev, non_blocking=True),
-                      batch["mask"].to(dev, non_blocking=True))
-        out = self.task.forward(self.module, x)
+        xs = [batch[k].to(dev, non_blocking=True) for k in cfg.data.x_keys]
+        y, mask = batch[yk].to(dev, non_blocking=True), batch["mask"].to(dev, non_blocking=True)
+        out = self.task.forward(self.module, *xs)
         per_sample = self.task.loss(out, y)
         m = mask.to(per_sample.dtype)
         local_sum = (per_sample * m).sum()
@@ -152,12 +152,12 @@ class DataParallelStep:
         """Exact metrics over the whole test set: padding ignored, sums all-reduced."""
         t0 = time.perf_counter()
         cfg, dev = self.cfg, self.device
-        xk, yk = cfg.data.keys["x"], cfg.data.keys["y"]
+        yk = cfg.data.keys["y"]
         self.module.eval()
         acc = self.task.accumulator()
         with torch.no_grad():
             for batch in test_ds:
-                out = self.task.forward(self.module, batch[xk].to(dev, non_blocking=True))
+                out = self.task.forward(self.module, *[batch[k].to(dev, non_blocking=True) for k in cfg.data.x_keys])
                 y, mask = batch[yk].to(dev, non_blocking=True), batch["mask"].to(dev, non_blocking=True)
                 acc.update(out.float(), y, mask)
         self.module.train()
@@ -262,14 +262,14 @@ class PipelineStep:
             fusion_threshold=cfg.sync.fusion_threshold)
 
     def loader_keys(self) -> List[str]:
-        xk, yk = self.cfg.data.keys["x"], self.cfg.data.keys["y"]
+        xk, yk = self.cfg.data.x_key, self.cfg.data.keys["y"]
         return pp.loader_keys(self.pipe.stage, self.pipe.stages, xk, yk)
 
     def train(self) -> None:
         self.pipe.train()
 
     def _targets(self, batch: Dict[str, torch.Tensor]) -> Tuple[Optional[torch.Tensor], pp.Targets]:
-        xk, yk = self.cfg.data.keys["x"], self.cfg.data.keys["y"]
+        xk, yk = self.cfg.data.x_key, self.cfg.data.keys["y"]
         mask = batch["mask"]
         x = self.task.prepare(batch[xk]) if self.pipe.is_first else None
         return x, (pp.Targets(batch[yk], mask) if self.pipe.is_last else pp.Targets(mask, mask))
@@ -340,7 +340,7 @@ def sample_input(cfg: TrainConfig, pc: Any, batch_size: int) -> Optional[torch.T
     from hpctrain.data.h5files import describe, expand_paths
     from hpctrain.data.loader import _torch_dtype
 
-    xk = cfg.data.keys["x"]
+    xk = cfg.data.x_key
     info = describe(expand_paths(list(cfg.data.train))[0], [xk])
     dtype = _torch_dtype(cfg.data.dtypes.get("x", "float32")) or torch.float32
     return torch.zeros((max(1, batch_size // pc.micro_batches), *info.keys[xk].shape[1:])).to(dtype)

@@ -69,9 +69,11 @@ class Task:
         """The model's input: normalised when ``data.normalize`` is set."""
         return self.normalizer(x) if self.normalizer is not None else x
 
-    def forward(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, model: torch.nn.Module, x: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+        """The model on this batch's inputs (``data.keys.x`` in order; normalisation applies
+        to a single input)."""
         with autocast(self.precision, self.device):
-            return model(self.prepare(x))
+            return model(self.prepare(x), *more)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Per-sample loss in fp32 (outside autocast, as torch.amp recommends for losses)."""

@@ -99,7 +99,7 @@ class Trainer:
             comm.init()
             world_size = comm.size()
         data_world = pp.check_world(pc, world_size) if pc.enabled else world_size
-        keys = [cfg.data.keys["x"], cfg.data.keys["y"]]
+        keys = [*cfg.data.x_keys, cfg.data.keys["y"]]
         train = data_counts(cfg.data.train, keys)
         test = data_counts(cfg.data.test, keys) if cfg.data.test else []
         b = resolve_batch_size(cfg, sum(train) // max(1, data_world))
