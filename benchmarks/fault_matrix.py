@@ -225,6 +225,7 @@ def bad_input_rows() -> List[Row]:
 
     return [
         bad_train("labels outside the classes", train="labels_out_of_range.h5",
+                  model=mlp("{hidden: [32], num_classes: 10}"),
                   expect="labels 5..14 outside 0..9", test="tests/unit/test_train_checks.py"),
         bad_train("float labels for cross_entropy", train="float_labels.h5",
                   expect="labels must be integers", test="tests/unit/test_train_checks.py"),

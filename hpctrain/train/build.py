@@ -42,7 +42,8 @@ def import_factory(spec: str, what: str = "model.factory") -> Callable[..., Any]
         if mod_name.endswith(".py"):
             path = Path(mod_name)
             if not path.is_file():
-                raise ConfigError(f"{what}: file {mod_name!r} does not exist")
+                raise ConfigError(f"{what}: file {mod_name!r} does not exist\nHINT: paths in a config are "
+                                  "relative to the config file's folder")
             unique = "hpctrain_user_model_" + str(abs(hash(str(path.resolve()))))
             mod_spec = importlib.util.spec_from_file_location(unique, path)
             module = importlib.util.module_from_spec(mod_spec)  # type: ignore[arg-type]

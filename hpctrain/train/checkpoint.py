@@ -165,7 +165,8 @@ def load_checkpoint(path: Path, *, mmap: bool = False) -> Dict[str, Any]:
     try:
         state = load_plain(path, mmap=mmap)
     except FileNotFoundError as exc:
-        raise CheckpointError(f"{path}: no such checkpoint file") from exc
+        raise CheckpointError(f"{path}: no such checkpoint file\nHINT: pass --resume auto to take the newest "
+                              "valid checkpoint of the run, or the path of a ckpt-<step>.pt file") from exc
     except NotPlainFile as exc:
         raise CheckpointError(f"{exc}\nHINT: pass --resume auto to use the newest checkpoint that loads") from None
     if not isinstance(state, dict):
