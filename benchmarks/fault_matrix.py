@@ -167,7 +167,7 @@ def valid_checkpoints(directory: Path) -> Dict[str, int]:
         return found
     for step, path in ckpt.list_checkpoints(directory):
         try:
-            ckpt.load(path)
+            ckpt.load_checkpoint(path)
         except Exception:  # noqa: BLE001 - a file that does not load is what we count
             continue
         found[path.name] = step
