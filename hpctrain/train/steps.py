@@ -168,27 +168,32 @@ class DataParallelStep:
     def save(self, ckpt_dir: Path, step: int, pos: Tuple[int, int], weights: Optional[List[float]]) -> str:
         """Collective: rank 0 writes the checkpoint (every rank's RNG state in it)."""
         t0 = time.perf_counter()
-        rngs = comm.allgather_object(ckpt.capture_rng())
-        result: Any = None
-        if comm.rank() == 0:
-            state = ckpt.build_state(step=step, epoch=pos[0], step_in_epoch=pos[1], model=self.module,
-                                     optimizer=self.opt, scheduler={"kind": self.cfg.schedule.kind, "step": step},
-                                     rng=rngs, config=self.cfg.to_dict(), run_id=self.run_id,
-                                     extra={"balance_weights": weights, "scheduler_step": step, **self.task.state()})
-            try:
-                saved = ckpt.save(ckpt_dir, state, self.cfg.checkpoint.keep)
-                result = ("ok", str(saved.path))
-            except ckpt.CheckpointError as exc:
-                result = ("error", str(exc))
-        result = comm.broadcast_object(result, root=0)
+
+        def write(state: Dict[str, Any]) -> str:
+            return str(ckpt.save(ckpt_dir, state, self.cfg.checkpoint.keep).path)
+
+        path = self._write_on_rank0(step, pos, weights, write)
         self.timeline.add("checkpoint", t0, time.perf_counter())
-        if result[0] == "error":
-            raise ckpt.CheckpointError(result[1])
-        return result[1]
+        return path
 
     def save_best(self, ckpt_dir: Path, step: int, pos: Tuple[int, int], weights: Optional[List[float]]) -> str:
         """Collective: rank 0 writes ``ckpt-best.pt`` atomically (outside the keep-N set)."""
         path = Path(ckpt_dir) / "ckpt-best.pt"
+
+        def write(state: Dict[str, Any]) -> str:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                ckpt.atomic_save(state, path)
+            except OSError as exc:
+                raise ckpt.CheckpointError(f"cannot write the best checkpoint {path}: {exc}") from exc
+            return str(path)
+
+        return self._write_on_rank0(step, pos, weights, write)
+
+    def _write_on_rank0(self, step: int, pos: Tuple[int, int], weights: Optional[List[float]],
+                        write: Any) -> str:
+        """Collective: every rank's RNG state to rank 0, which builds the checkpoint and
+        ``write``s it; every rank gets the path, or raises the same CheckpointError."""
         rngs = comm.allgather_object(ckpt.capture_rng())
         result: Any = None
         if comm.rank() == 0:
@@ -197,11 +202,9 @@ class DataParallelStep:
                                      rng=rngs, config=self.cfg.to_dict(), run_id=self.run_id,
                                      extra={"balance_weights": weights, "scheduler_step": step, **self.task.state()})
             try:
-                Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-                ckpt.atomic_save(state, path)
-                result = ("ok", str(path))
-            except (OSError, ckpt.CheckpointError) as exc:
-                result = ("error", f"cannot write the best checkpoint {path}: {exc}")
+                result = ("ok", write(state))
+            except ckpt.CheckpointError as exc:
+                result = ("error", str(exc))
         result = comm.broadcast_object(result, root=0)
         if result[0] == "error":
             raise ckpt.CheckpointError(result[1])
