@@ -67,7 +67,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_bad_inputs_say_what_and_how():
     r = run_cli("--tune-batch", "examples/tune_wide.py:factory", "--max-memory", "lots")
-    assert r.returncode != 0 and "cannot read memory size 'lots'" in r.stderr
+    assert r.returncode != 0 and "--max-memory: cannot read 'lots' as a size" in r.stderr
     r = run_cli("--tune-batch", "examples/tune_wide.py")
     assert r.returncode != 0 and "MODULE:FACTORY" in r.stderr
     r = run_cli("--tune-batch", "examples/tune_wide.py:nope")

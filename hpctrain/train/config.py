@@ -97,17 +97,6 @@ class DataConfig:
         _need(self.normalize == "none" or len(self.x_keys) == 1,
               "data.normalize applies to one input, data.keys.x names several\nHINT: normalise in your model's "
               "forward, or set data.normalize: none")
-
-    @property
-    def x_keys(self) -> List[str]:
-        """The input datasets, in the order the model's forward takes them."""
-        x = self.keys["x"]
-        return [x] if isinstance(x, str) else list(x)
-
-    @property
-    def x_key(self) -> str:
-        """The first input (its shape sizes a built-in model and the width check)."""
-        return self.x_keys[0]
         _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
         for i, w in enumerate(self.weights):
             _need(math.isfinite(w) and w > 0, f"data.weights[{i}]: {w} must be a positive number "
@@ -119,6 +108,17 @@ class DataConfig:
         else:
             _need(not self.weights, f"data.weights is used only by data.policy: weighted, not {self.policy!r}\n"
                   "HINT: set data.policy: weighted, or remove data.weights")
+
+    @property
+    def x_keys(self) -> List[str]:
+        """The input datasets, in the order the model's forward takes them."""
+        x = self.keys["x"]
+        return [x] if isinstance(x, str) else list(x)
+
+    @property
+    def x_key(self) -> str:
+        """The first input (its shape sizes a built-in model and the width check)."""
+        return self.x_keys[0]
 
 
 @dataclass(kw_only=True, slots=True)
