@@ -22,6 +22,8 @@ from mpi4py import MPI
 
 from hpctrain import comm
 
+pytestmark = pytest.mark.cluster
+
 ALGORITHMS = ("ring", "shm", "hierarchical", "native", "auto")
 DTYPES = ("float32", "float64", "float16", "int32", "int64", "bfloat16")
 BIG = 1000003  # not divisible by any rank count; > 1 MiB for every dtype → several ring segments
