@@ -195,9 +195,9 @@ def _record_shm_calls(monkeypatch) -> list:
     calls = []
     original = algorithms.shm_
 
-    def spy(group, src, out, op, dtype_name, dog, what, cross=False, header=None):
+    def spy(group, src, out, op, dtype_name, dog, what, cross=False, **options):
         calls.append({"cross": cross, "node_size": group.node_comm.Get_size()})
-        return original(group, src, out, op, dtype_name, dog, what, cross=cross, header=header)
+        return original(group, src, out, op, dtype_name, dog, what, cross=cross, **options)
 
     monkeypatch.setattr(algorithms, "shm_", spy)
     return calls
