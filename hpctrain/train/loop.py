@@ -282,6 +282,8 @@ class TrainLoop:
         clip, skip_synchronize() idiom, done for the user)."""
         run, cfg = self.run, self.run.cfg
         task = run.step_impl.task
+        if task.scaler is None and cfg.clip_grad_norm <= 0 and cfg.clip_grad_value <= 0:
+            return True  # the default: nothing to do on the step's path
         params = [p for p in run.model.parameters() if p.grad is not None]
         if task.scaler is not None and not task.scaler.unscale_and_check(params):
             if run.rank == 0:
