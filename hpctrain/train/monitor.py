@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, Optional
 
 __all__ = ["FIELDS", "ResourceMonitor", "nvml_reader"]
@@ -45,7 +46,9 @@ class ResourceMonitor:
 
         self.interval = float(interval)
         self._proc = psutil.Process(pid or os.getpid())
-        self._proc.cpu_percent(None)          # the first call only starts psutil's interval
+        # psutil's own cpu_percent(None) answers 0.0 on its first call; measuring from the
+        # process's start instead makes the first sample the average so far.
+        self._last_cpu = (0.0, self._proc.create_time())
         self._gpu = gpu
         self._lock = threading.Lock()
         self._sample: Dict[str, float] = {f: -1.0 for f in FIELDS}
@@ -54,7 +57,7 @@ class ResourceMonitor:
         self.samples = 0
 
     def sample_once(self) -> Dict[str, float]:
-        s = {"cpu_percent": self._proc.cpu_percent(None), "rss_mb": self._proc.memory_info().rss / 2**20,
+        s = {"cpu_percent": self._cpu_percent(), "rss_mb": self._proc.memory_info().rss / 2**20,
              "gpu_util": -1.0, "gpu_mem_mb": -1.0}
         if self._gpu is not None:
             try:
@@ -65,6 +68,16 @@ class ResourceMonitor:
             self._sample = s
             self.samples += 1
         return s
+
+    def _cpu_percent(self) -> float:
+        """CPU time used since the previous sample over the wall time between them, in percent
+        of one core (as psutil and top report it)."""
+        times = self._proc.cpu_times()
+        used, now = times.user + times.system, time.time()
+        last_used, last_time = self._last_cpu
+        self._last_cpu = (used, now)
+        elapsed = now - last_time
+        return 100.0 * max(used - last_used, 0.0) / elapsed if elapsed > 0 else 0.0
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

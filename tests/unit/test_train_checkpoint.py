@@ -119,7 +119,11 @@ def _writer(directory: str, seed: int) -> None:
 def test_kill_minus_9_during_writes_never_leaves_a_broken_checkpoint(tmp_path):
     """Many trials: a process writing checkpoints in a loop is SIGKILLed at a random moment;
     every checkpoint file left must load, and the newest valid one must exist."""
-    ctx = multiprocessing.get_context("fork")
+    # Writers fork from a clean server process with torch (and the torch._dynamo that an
+    # optimizer step imports, 2 s) preloaded: fast to start, and without
+    # the test process's threads (torch's pools, perhaps MPI's), which can deadlock a plain fork.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "hpctrain.train.checkpoint", __name__])
     rng = random.Random(1234)
     trials, tmp_seen = 25, 0
     for trial in range(trials):
@@ -127,9 +131,13 @@ def test_kill_minus_9_during_writes_never_leaves_a_broken_checkpoint(tmp_path):
         d.mkdir()
         p = ctx.Process(target=_writer, args=(str(d), trial), daemon=True)
         p.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not ckpt.list_checkpoints(d):  # wait for the first complete checkpoint
-            assert time.monotonic() < deadline and p.is_alive(), "writer made no checkpoint"
+            if not p.is_alive():
+                pytest.fail(f"writer exited with {p.exitcode} before its first checkpoint")
+            if time.monotonic() > deadline:
+                p.kill()
+                pytest.fail("writer made no checkpoint in 120 s")
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.25))
         os.kill(p.pid, signal.SIGKILL)

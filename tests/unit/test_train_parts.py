@@ -143,6 +143,18 @@ def test_resource_monitor_samples_in_the_background():
     assert mon.samples == n                     # stopped
 
 
+def test_resource_monitor_first_sample_is_the_average_since_start():
+    """A short run logs before the thread's first interval ends: that sample must not read 0 %."""
+    import time
+
+    from hpctrain.train.monitor import ResourceMonitor
+
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.05:      # this process has used CPU before the monitor starts
+        pass
+    assert ResourceMonitor(interval=10).sample_once()["cpu_percent"] > 0
+
+
 def test_resource_monitor_drops_a_failing_gpu_reader():
     from hpctrain.train.monitor import ResourceMonitor
 
