@@ -188,13 +188,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group = _process_set_group(process_set)
         self._rank, self._size = ((comm.rank(), comm.size()) if self._group is None
                                   else (self._group.rank, self._group.size))
+        backend_name = (backend or settings.rc.backend).lower()
         # Validate locally, then agree: a rank that rejects its arguments must not leave the
         # others waiting in the next collective, so every rank learns every rank's verdict.
-        local_error: Optional[BaseException] = None
+        local_error, specs, threshold, group_indices = self._check_arguments(
+            named_parameters, op, gradient_predivide_factor, backward_passes_per_step, backend_name, sync,
+            fusion_threshold, groups)
+        self._predivide = float(gradient_predivide_factor)
+        self.backward_passes_per_step = max(1, int(backward_passes_per_step))
+        self._compression = compression
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self._verify_across_ranks(local_error, specs, threshold, group_indices, backend_name, sync)
+        self._backend: Backend = get_backend(backend_name) if self._group is None else MPIBackend(self._group)
+        self.plan = bk.plan_buckets(specs, threshold, group_indices)
+
+        self._allocate_buckets(bucket_allocator, backend_name)
+        self._init_step_state(overlap)
+        if isinstance(self._strategy, AllReduce) and not self._passthrough:
+            self._register_hooks()
+        if self._rank == 0:
+            log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s, "
+                     "overlap=%s", len(self._params), len(self.plan.buckets), threshold, self._strategy.name,
+                     self._backend.name, self._overlap)
+
+    def _check_arguments(self, named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
+                         backend_name: str, sync, fusion_threshold, groups):
+        """This rank's verdict on its arguments, without communicating: (the error or None, the
+        parameter specs, the fusion threshold, the explicit groups). Sets what it resolves
+        (``_op``, ``_strategy``, ``_params``, ``_names``)."""
         specs: List[bk.ParamSpec] = []
         threshold = 0
         group_indices: Optional[List[List[int]]] = None
-        backend_name = (backend or settings.rc.backend).lower()
         try:
             self._op = _resolve_op(None, op)
             if gradient_predivide_factor != 1.0 and self._op != ReduceOp.Average:
@@ -216,15 +240,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             threshold = bk.fusion_threshold_from_env() if fusion_threshold is None else int(fusion_threshold)
             group_indices = self._group_indices(groups)
         except (ValueError, TypeError, NotImplementedError) as exc:
-            local_error = exc
-        self._predivide = float(gradient_predivide_factor)
-        self.backward_passes_per_step = max(1, int(backward_passes_per_step))
-        self._compression = compression
-        self.sparse_as_dense = bool(sparse_as_dense)
-        self._verify_across_ranks(local_error, specs, threshold, group_indices, backend_name, sync)
-        self._backend: Backend = get_backend(backend_name) if self._group is None else MPIBackend(self._group)
-        self.plan = bk.plan_buckets(specs, threshold, group_indices)
+            return exc, specs, threshold, group_indices
+        return None, specs, threshold, group_indices
 
+    def _allocate_buckets(self, bucket_allocator: Optional[Allocator], backend_name: str) -> None:
+        """One flat buffer per planned bucket; every parameter's ``.grad`` becomes a view into
+        its bucket (an existing gradient is copied in)."""
         devices = {p.device for p in self._params}
         if len(devices) > 1:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; "
@@ -255,6 +276,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                 p.grad = view
 
+
+    def _init_step_state(self, overlap: Optional[bool]) -> None:
+        """Per-round bookkeeping, the overlap choice, and how Average is applied."""
         self._lock = threading.RLock()
         self._states = [_BucketState(len(b.slots)) for b in self.plan.buckets]
         self._delay = [self.backward_passes_per_step] * len(self._params)
@@ -295,12 +319,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._slot_scale[slot.index] = self._bucket_scale[b]
         self._adopted = [False] * len(self._params)  # gradient already in its slot this round
         self._sparse_grads: Dict[int, torch.Tensor] = {}  # sparse gradients of this round (Horovod's path)
-        if isinstance(self._strategy, AllReduce) and not self._passthrough:
-            self._register_hooks()
-        if self._rank == 0:
-            log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s, "
-                     "overlap=%s", len(self._params), len(self.plan.buckets), threshold, self._strategy.name,
-                     self._backend.name, self._overlap)
 
     # ------------------------------------------------------------------ Optimizer surface
     @property
