@@ -17,7 +17,7 @@ from .world import Group, resolve, watchdog
 # Tags on the group's ring communicator: collectives of one group run one at a time, and MPI
 # does not let messages of one sender, tag and communicator overtake each other, so the
 # halves, the partial sums and the gathered results of one call match in order.
-_TAG_HALF, _TAG_SUMS, _TAG_GATHER = 7301, 7302, 7303
+_TAG_HALF, _TAG_SUMS, _TAG_GATHER = 7401, 7402, 7403
 
 
 def grouped_adasum_(xs: Sequence[Any], group: Optional[Group] = None) -> List[Any]:
