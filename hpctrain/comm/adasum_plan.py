@@ -29,6 +29,7 @@ DTYPES = ("float16", "float32", "float64")
 
 
 def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` ranks can run the schedule (1, 2, 4, 8 …)."""
     return n > 0 and n & (n - 1) == 0
 
 
