@@ -29,7 +29,7 @@ def __getattr__(name):
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
-    "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async",
+    "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async", "grouped_adasum_",
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
     "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "tuned_counts", "Handle",

@@ -16,6 +16,7 @@ from .. import settings
 from . import algorithms, asyncq, device, guard, plan, shmsync, tuning
 from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
 from .device import accept_device_buffers, cuda_support  # noqa: F401 - public through hpctrain.comm
+from .adasum import grouped_adasum_  # noqa: F401 - public through hpctrain.comm
 from .errors import CommError
 from .world import Group, resolve, watchdog
 from .world import _state as _world_state

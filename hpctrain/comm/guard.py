@@ -31,7 +31,7 @@ HEADER_LEN = 7
 _enabled = {"on": True, "chosen": False}
 
 _OP_NAMES = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
-             "broadcast_object", "allgather_object", "grouped_allreduce"]
+             "broadcast_object", "allgather_object", "grouped_allreduce", "adasum"]
 _RED_NAMES = ["-", *OPS]
 _ALGO_NAMES = ["-", *ALGORITHMS]
 _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}

@@ -7,7 +7,7 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
 - collectives are matched by submission order (every rank must issue the same collectives in
   the same order), not by ``name=``; names serve messages, the timeline and the check that a
   name is not submitted twice while pending.
-- ``op=Adasum`` raises NotImplementedError.
+- ``op=Adasum`` runs Horovod's CPU Adasum over MPI (``adasum.py``) for every tensor's device.
 - ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
 - ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
   while a rank has joined.
@@ -450,11 +450,8 @@ def _resolve_op(average: Optional[bool], op: Optional[int]) -> ReduceOp:
     try:
         op = ReduceOp(int(op))
     except ValueError:
-        raise ValueError(f"unknown reduction op {op!r}; expected one of hvd.Average, Sum, Min, Max, Product") from None
-    if op == ReduceOp.Adasum:
-        raise NotImplementedError(
-            "op=hvd.Adasum is not implemented in hpctrain.\n"
-            "HINT: use op=hvd.Average (the default) and scale the learning rate with hvd.size()")
+        raise ValueError(f"unknown reduction op {op!r}; expected one of hvd.Average, Sum, Adasum, Min, Max, "
+                         "Product") from None
     return op
 
 
@@ -542,6 +539,11 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
                      name: str) -> Handle:
     """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor."""
+    if op == ReduceOp.Adasum:
+        from . import adasum
+
+        return adasum.start([tensor], prescale, postscale, compression, process_set,
+                            None if out is None else [out], name, single=True)
     group = _group(process_set)
     n = _group_size(process_set)
     host, restore = staging.to_host(tensor)
@@ -655,6 +657,11 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
                    compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str) -> Handle:
     tensors = [_check_tensor(t, "grouped_allreduce") for t in tensors]
+    if op == ReduceOp.Adasum:  # one exchange, each tensor with its own coefficients (Horovod's fused Adasum)
+        from . import adasum
+
+        return adasum.start(tensors, prescale, postscale, compression, process_set, tensors if inplace else None,
+                            name)
     # One fused buffer per dtype, in first-seen order (identical on every rank for identical input).
     order: List[torch.dtype] = []
     for t in tensors:

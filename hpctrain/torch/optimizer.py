@@ -52,7 +52,8 @@ __all__ = ["DistributedOptimizer", "Allocator", "choose_overlap"]
 Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 _COMM_OP = {ReduceOp.Average: "avg", ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max",
-            ReduceOp.Product: "prod"}
+            ReduceOp.Product: "prod",
+            ReduceOp.Adasum: "sum"}  # Adasum here only on one rank (the identity); more: AdasumOptimizer
 _PS_TAG = 7301  # point-to-point tag of parameter-server gradient messages
 
 
@@ -109,6 +110,13 @@ def _process_set_group(process_set: Any) -> Optional["comm.Group"]:
                     f"{type(process_set).__name__}")
 
 
+def _is_adasum(op: Any) -> bool:
+    try:
+        return op is not None and int(op) == ReduceOp.Adasum
+    except (TypeError, ValueError):
+        return False
+
+
 class _BucketState:
     __slots__ = ("pending", "launched", "work", "wire", "ctx")
 
@@ -129,7 +137,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
       rank has the same parameters and in error messages. Default: ``allreduce.noname.<group>.<i>``.
     - ``compression``: ``Compression.none`` (default), ``.fp16`` or ``.bf16`` on the wire.
     - ``backward_passes_per_step``: backward passes summed locally before each all-reduce.
-    - ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``; ``Adasum`` raises.
+    - ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum`` (on more
+      than one rank an ``AdasumOptimizer``: each rank steps, the weight deltas are combined).
     - ``gradient_predivide_factor``: with ``op=Average``, divide by this before the sum and by
       ``size/factor`` after it (helps fp16 range).
     - ``groups``: an int (split the parameters into that many fused groups) or lists of
@@ -156,6 +165,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     The returned object is a ``torch.optim.Optimizer``: ``param_groups``, ``state``,
     ``state_dict()``, LR schedulers work as on the wrapped optimizer (which it shares).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
+        # Horovod returns its delta optimizer for op=Adasum on more than one rank.
+        if cls is DistributedOptimizer and _is_adasum(kwargs.get("op", args[4] if len(args) > 4 else None)) \
+                and comm.is_initialized() and comm.size() > 1:
+            from .adasum_optimizer import AdasumOptimizer
+
+            cls = AdasumOptimizer
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -300,7 +318,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # format rounds the values): gradients stay where autograd put them, no hooks, no
         # copies — the same cost as a plain PyTorch loop.
         self._passthrough = (self._size == 1 and isinstance(self._strategy, AllReduce)
-                             and self._op in (ReduceOp.Average, ReduceOp.Sum) and self._predivide == 1.0
+                             and self._op in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum)
+                             and self._predivide == 1.0
                              and getattr(self._compression, "wire_dtype", None) is None)
         # Average as "pre-divide, then sum": the hook that moves a fresh gradient into its bucket
         # multiplies by 1/size on the way (one pass, the cost of the copy it replaces), so the
