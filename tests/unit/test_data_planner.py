@@ -223,6 +223,9 @@ def test_stratified_class_proportions_equal_on_every_rank(setup):
     again = plan_all(counts, world, batch, **kw)
     for a, b in zip(plans, again):
         assert np.array_equal(a.indices, b.indices) and np.array_equal(a.mask, b.mask)
+    # The same steps and real samples per rank as 'contiguous' (the runner plans with those).
+    contiguous = plan_all(counts, world, batch, **{**kw, "policy": "contiguous", "labels": None})
+    assert [(p.steps, p.num_real) for p in contiguous] == [(p.steps, p.num_real) for p in plans]
 
 
 def test_stratified_shuffles_per_epoch_and_reads_blocks():
