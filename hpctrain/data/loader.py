@@ -16,8 +16,9 @@ How it reads (the design that makes it fast):
    into plan order with ``numpy.take`` while it is still in the CPU cache -- hence the
    cache-sized default window. How the runs are read depends on the key:
    uncompressed keys with ``preadv`` straight from the file (:mod:`hpctrain.data.mapped`:
-   the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys as stored
-   chunks decoded here (:mod:`hpctrain.data.chunked`); anything else (other filters,
+   the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys and keys
+   compressed with hdf5plugin's filters (Blosc, bitshuffle/LZ4, Zstd, ...) as stored chunks
+   decoded here (:mod:`hpctrain.data.chunked`, :mod:`hpctrain.data.plugins`); anything else (other filters,
    ``memory_map=False``, files opened with ``mpio``) with one ``H5Dread`` per run. The
    ``preadv`` reads, chunk decodes and gathers are small GIL-free tasks that the prefetch
    thread and a waiting consumer run together (two cores decompress at once).
@@ -364,7 +365,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                         log.debug("data: %s[%s] read through HDF5 (in another file)", self.paths[i], key)
                         continue
                     found[key], why = map_dataset(dsets[key], mm)
-                    if found[key] is None and dsets[key].compression is not None:
+                    # Any filter: h5py names only its own (dset.compression), not hdf5plugin's.
+                    if found[key] is None and dsets[key].chunks is not None:
                         found[key], why = chunked_dataset(dsets[key], mm)
                     if found[key] is None:
                         log.debug("data: %s[%s] read through HDF5 (%s)", self.paths[i], key, why)
