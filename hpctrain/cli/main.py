@@ -17,7 +17,7 @@ from typing import List, Optional
 VERBS = {
     "launch": ("hpctrain.cli.launch", "run a command on N ranks with this machine's mpiexec"),
     "bench": ("hpctrain.cli.bench", "benchmarks: allreduce, train, data, pipeline, calibrate"),
-    "plan": ("hpctrain.cli.plan", "predict step time and scaling efficiency on N nodes from a profile"),
+    "plan": ("hpctrain.cli.plan", "predict step time and efficiency on N nodes"),
     "probe": ("hpctrain.cli.probe", "show the hardware each rank sees; tune the batch size"),
     "data": ("hpctrain.cli.data", "HDF5 tools: pack, shard, inspect, verify, merge"),
     "slurm": ("hpctrain.cli.slurm", "sbatch templates: render, submit; status, logs, cancel"),

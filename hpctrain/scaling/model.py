@@ -120,7 +120,12 @@ def hierarchical_time(numel: int, itemsize: int, m: Machine) -> float:
 
 
 def _flat_ring_time(numel: int, itemsize: int, m: Machine) -> float:
-    hop = m.intra if m.nodes == 1 else _slowest(m.intra, m.inter, numel * itemsize / m.size)
+    if m.nodes == 1:
+        hop = m.intra
+    elif m.ranks_per_node == 1:
+        hop = m.inter  # every hop leaves the node
+    else:
+        hop = _slowest(m.intra, m.inter, numel * itemsize / m.size)
     return ring_time(numel, itemsize, m.size, hop, m.gamma_Bps, m.segment_bytes)
 
 
