@@ -63,7 +63,7 @@ def bucket_timeline(profile: Profile, threshold: int) -> List[BucketTimes]:
     from hpctrain.torch.buckets import ParamSpec, plan_buckets  # torch: loaded on use only
 
     specs = [ParamSpec(p.name, tuple(p.shape), f"torch.{p.dtype}") for p in profile.params]
-    ready = profile.ready_times()
+    ready = profile.ready_times() if profile.overlap else [profile.backward_s] * len(profile.params)
     out = []
     for b in plan_buckets(specs, threshold).buckets:
         itemsize = _ITEMSIZE[b.dtype.replace("torch.", "")]

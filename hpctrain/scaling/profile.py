@@ -46,7 +46,9 @@ class Param:
 
 @dataclass(frozen=True)
 class Profile:
-    """What :mod:`hpctrain.scaling.predict` needs; seconds, bytes and bytes/s throughout."""
+    """What :mod:`hpctrain.scaling.predict` needs; seconds, bytes and bytes/s throughout.
+    ``overlap``: whether all-reduce runs during backward (False: every bucket after it, as
+    ``DistributedOptimizer(overlap=False)`` does)."""
 
     name: str
     batch_per_rank: int
@@ -59,6 +61,7 @@ class Profile:
     gamma_Bps: float = DEFAULT_GAMMA_BPS
     fusion_threshold: int = 4 * 1024 * 1024
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    overlap: bool = True
     measured: Dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +99,7 @@ class Profile:
             "links": {"intra": self.intra.to_dict(), "gamma_Bps": self.gamma_Bps,
                       **({"inter": self.inter.to_dict()} if self.inter else {})},
             "fusion_threshold": self.fusion_threshold, "segment_bytes": self.segment_bytes,
-            "measured": self.measured,
+            "overlap": self.overlap, "measured": self.measured,
         }
 
 
@@ -124,7 +127,7 @@ def _params(data: Mapping[str, Any]) -> Tuple[Param, ...]:
 def profile_from_dict(data: Mapping[str, Any]) -> Profile:
     """A :class:`Profile` from its JSON form; unknown top-level keys are refused."""
     known = {"format", "version", "name", "batch_per_rank", "compute", "parameters", "gradients", "links",
-             "fusion_threshold", "segment_bytes", "measured", "source"}
+             "fusion_threshold", "segment_bytes", "overlap", "measured", "source"}
     extra = sorted(set(data) - known)
     if extra:
         raise ValueError(f"profile: unknown keys {extra}; valid: {sorted(known)}")
@@ -139,6 +142,7 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
             gamma_Bps=float(links.get("gamma_Bps", DEFAULT_GAMMA_BPS)),
             fusion_threshold=int(data.get("fusion_threshold", 4 * 1024 * 1024)),
             segment_bytes=int(data.get("segment_bytes", DEFAULT_SEGMENT_BYTES)),
+            overlap=bool(data.get("overlap", True)),
             measured=dict(data.get("measured", {})),
         )
     except KeyError as exc:

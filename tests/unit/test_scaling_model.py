@@ -198,3 +198,11 @@ def test_load_profile_missing_file_says_how_to_make_one(tmp_path):
     with pytest.raises(ValueError, match="hpctrain bench calibrate"):
         load_profile(tmp_path / "nope.json")
     assert math.isfinite(_profile().compute_s)
+
+
+def test_without_overlap_every_bucket_waits_for_the_end_of_backward():
+    tl = predict.bucket_timeline(_profile(overlap=False), 2_000_000)
+    assert [b.ready_s for b in tl] == [0.02] * 4
+    prof = _profile(overlap=False)
+    p = predict.predict(prof, predict.machine_for(prof, 2, 2), "ring", prof.fusion_threshold)
+    assert p.exposed_s == pytest.approx(p.comm_s) and p.hidden_fraction == pytest.approx(0.0, abs=1e-9)
