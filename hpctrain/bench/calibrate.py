@@ -70,7 +70,6 @@ def time_compute(model, opt, loss_fn, x, steps: int, warmup: int) -> Dict[str, A
     each parameter's median ready time after backward began (post-accumulate-grad hooks)."""
     params = [p for p in model.parameters() if p.requires_grad]
     ready: List[List[float]] = [[] for _ in params]
-    t_back = [0.0]
     stamps: Dict[int, float] = {}
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: stamps.__setitem__(i, time.perf_counter()))
              for i, p in enumerate(params)]
@@ -81,13 +80,15 @@ def time_compute(model, opt, loss_fn, x, steps: int, warmup: int) -> Dict[str, A
             stamps.clear()
             t0 = time.perf_counter()
             loss = loss_fn(model(x))
-            t_back[0] = t1 = time.perf_counter()
+            t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
             opt.step()
             t3 = time.perf_counter()
             if step >= warmup:
-                fwd.append(t1 - t0), bwd.append(t2 - t1), upd.append(t3 - t2)
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                upd.append(t3 - t2)
                 for i in range(len(params)):
                     ready[i].append(stamps.get(i, t2) - t1)
     finally:

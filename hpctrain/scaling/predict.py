@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .fabrics import Link
 from .model import ALGORITHMS, Machine, allreduce_time
-from .profile import _ITEMSIZE, Profile
+from .profile import ITEMSIZE, Profile
 
 __all__ = ["BucketTimes", "Prediction", "bucket_timeline", "overlap", "predict", "plan_scaling",
            "DEFAULT_THRESHOLDS", "BEST"]
@@ -66,7 +66,7 @@ def bucket_timeline(profile: Profile, threshold: int) -> List[BucketTimes]:
     ready = profile.ready_times() if profile.overlap else [profile.backward_s] * len(profile.params)
     out = []
     for b in plan_buckets(specs, threshold).buckets:
-        itemsize = _ITEMSIZE[b.dtype.replace("torch.", "")]
+        itemsize = ITEMSIZE[b.dtype.replace("torch.", "")]
         out.append(BucketTimes(b.numel, itemsize, max(ready[s.index] for s in b.slots)))
     return out
 

@@ -15,7 +15,7 @@ __all__ = ["Param", "Profile", "load_profile", "profile_from_dict"]
 
 FORMAT = "hpctrain-scaling-profile"
 VERSION = 1
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 # Memory-speed defaults for a profile written by hand without an intra-node level: one
 # rank's copy bandwidth with its neighbours copying too, a flag round trip, numpy's a += b.
 DEFAULT_INTRA = Link(5e-6, 5e9)
@@ -33,8 +33,8 @@ class Param:
     ready_s: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"parameter {self.name!r}: dtype {self.dtype!r} is not one of {sorted(_ITEMSIZE)}")
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"parameter {self.name!r}: dtype {self.dtype!r} is not one of {sorted(ITEMSIZE)}")
 
     @property
     def numel(self) -> int:
@@ -80,7 +80,7 @@ class Profile:
 
     @property
     def gradient_bytes(self) -> int:
-        return sum(p.numel * _ITEMSIZE[p.dtype] for p in self.params)
+        return sum(p.numel * ITEMSIZE[p.dtype] for p in self.params)
 
     def ready_times(self) -> List[float]:
         """When backward produces each gradient (registration order). Unmeasured: backward

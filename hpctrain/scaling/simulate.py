@@ -28,7 +28,6 @@ import numpy as np
 
 from hpctrain.comm import plan
 
-from .fabrics import Link
 from .model import Machine
 
 __all__ = ["SimResult", "simulate_ring", "simulate_hierarchical", "simulate", "straggler_effect"]
