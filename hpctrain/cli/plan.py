@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="fusion thresholds to try (the profile's own is always tried)")
     p.add_argument("--algorithms", default="ring,hierarchical,recursive_doubling,tree,rabenseifner,best",
                    help="algorithms to predict; best: the cheapest per bucket")
+    p.add_argument("--straggler", type=float, default=0.0, metavar="FRACTION",
+                   help="also predict each node count's best configuration with one rank this much slower "
+                        "(0.1: 10%%)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every point as JSON ('-': stdout)")
     p.add_argument("--plot", default=None, metavar="PNG", help="efficiency and step time vs nodes (needs matplotlib)")
     p.set_defaults(func=run, no_mpi=True)
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--ranks-per-node {per_node}: must be >= 1")
         thresholds = [parse_size(t) for t in args.thresholds.split(",") if t.strip()]
         algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-        result = plan_scaling(profile, _nodes(args.nodes), per_node, algorithms, thresholds, inter)
+        result = plan_scaling(profile, _nodes(args.nodes), per_node, algorithms, thresholds, inter, args.straggler)
     except ValueError as exc:
         print(f"hpctrain plan: {exc}", file=sys.stderr)
         return 2

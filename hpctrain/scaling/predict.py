@@ -14,14 +14,14 @@ a copy engine; on CPUs the ranks' cores share it) and the same per-rank compute 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .fabrics import Link
 from .model import ALGORITHMS, Machine, allreduce_time
 from .profile import ITEMSIZE, Profile
 
-__all__ = ["BucketTimes", "Prediction", "bucket_timeline", "overlap", "predict", "plan_scaling",
+__all__ = ["BucketTimes", "Prediction", "bucket_timeline", "overlap", "predict", "plan_scaling", "with_straggler",
            "DEFAULT_THRESHOLDS", "BEST"]
 
 MiB = 1024 * 1024
@@ -104,6 +104,27 @@ def predict(profile: Profile, m: Machine, algorithm: str, threshold: int,
     )
 
 
+def with_straggler(profile: Profile, slowdown: float) -> Profile:
+    """The profile of the whole job when one rank computes ``slowdown`` (0.1: 10%) slower:
+    every collective waits for its slowest member (``simulate.straggler_effect``: a late rank
+    delays the all-reduce by its lateness for everyone), so the job runs at that rank's
+    pace; its later-ready buckets leave more backward to hide communication behind."""
+    if slowdown < 0:
+        raise ValueError(f"straggler slowdown {slowdown} < 0; expected a fraction such as 0.1 for 10% slower")
+    f = 1.0 + slowdown
+    ready = profile.ready_times()
+    params = tuple(replace(p, ready_s=r * f) for p, r in zip(profile.params, ready))
+    return replace(profile, forward_s=profile.forward_s * f, backward_s=profile.backward_s * f,
+                   optimizer_s=profile.optimizer_s * f, params=params)
+
+
+def straggler_point(profile: Profile, m: Machine, best: Prediction, slowdown: float) -> Prediction:
+    """``best``'s configuration with one rank ``slowdown`` slower; efficiency still against
+    one rank at full speed."""
+    slow = predict(with_straggler(profile, slowdown), m, best.algorithm, best.fusion_threshold)
+    return replace(slow, efficiency=profile.compute_s / slow.step_s if slow.step_s > 0 else 1.0)
+
+
 def machine_for(profile: Profile, nodes: int, ranks_per_node: int, inter: Optional[Link] = None) -> Machine:
     """The machine of ``nodes`` × ``ranks_per_node`` with the profile's links (``inter``
     overrides the profile's inter-node link)."""
@@ -135,9 +156,10 @@ BEST_MARGIN = 0.005
 def plan_scaling(profile: Profile, nodes: Sequence[int], ranks_per_node: int,
                  algorithms: Sequence[str] = ALGORITHMS + (BEST,),
                  thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
-                 inter: Optional[Link] = None) -> Dict[str, object]:
-    """Every (node count, algorithm, threshold) point, and per node count the best one and
-    the one at the profile's own threshold with the best algorithm."""
+                 inter: Optional[Link] = None, straggler: float = 0.0) -> Dict[str, object]:
+    """Every (node count, algorithm, threshold) point, and per node count the best one, the
+    best at the profile's own threshold and (``straggler`` > 0) the best one's prediction
+    with one rank that much slower."""
     thresholds = sorted(set(thresholds) | {profile.fusion_threshold})
     timelines = {t: bucket_timeline(profile, t) for t in thresholds}
     points: List[Prediction] = []
@@ -149,7 +171,11 @@ def plan_scaling(profile: Profile, nodes: Sequence[int], ranks_per_node: int,
         best = _best(here)
         at_default = min((p for p in here if p.fusion_threshold == profile.fusion_threshold),
                          key=lambda p: p.step_s)
-        summary.append({"nodes": n, "ranks": m.size, "best": best.to_dict(), "at_profile_threshold": at_default.to_dict()})
+        row = {"nodes": n, "ranks": m.size, "best": best.to_dict(), "at_profile_threshold": at_default.to_dict()}
+        if straggler > 0 and m.size > 1:
+            row["with_straggler"] = straggler_point(profile, m, best, straggler).to_dict()
+        summary.append(row)
     return {"profile": profile.name, "ranks_per_node": ranks_per_node, "single_rank_step_s": profile.compute_s,
+            "straggler": straggler,
             "thresholds": thresholds, "algorithms": list(algorithms),
             "summary": summary, "points": [p.to_dict() for p in points]}

@@ -30,6 +30,14 @@ def format_table(result: Dict[str, Any]) -> str:
         lines.append(f"{row['nodes']:>6} {row['ranks']:>6} {b['algorithm']:>18} {format_size(b['fusion_threshold']):>8} "
                      f"{b['step_s'] * 1e3:>9.2f} {b['comm_s'] * 1e3:>9.2f} {b['hidden_fraction'] * 100:>6.0f}% "
                      f"{b['samples_per_s']:>11.1f} {b['efficiency'] * 100:>6.1f}%")
+    if result.get("straggler"):
+        lines.append("")
+        lines.append(f"with one rank {result['straggler'] * 100:.0f}% slower (the best configuration above):")
+        for row in result["summary"]:
+            s = row.get("with_straggler")
+            if s:
+                lines.append(f"{row['nodes']:>6} {row['ranks']:>6} step {s['step_s'] * 1e3:.2f} ms, "
+                             f"efficiency {s['efficiency'] * 100:.1f}%")
     per = _best_per_algorithm(result)
     algos: List[str] = list(result["algorithms"])
     lines.append("")

@@ -206,3 +206,17 @@ def test_without_overlap_every_bucket_waits_for_the_end_of_backward():
     prof = _profile(overlap=False)
     p = predict.predict(prof, predict.machine_for(prof, 2, 2), "ring", prof.fusion_threshold)
     assert p.exposed_s == pytest.approx(p.comm_s) and p.hidden_fraction == pytest.approx(0.0, abs=1e-9)
+
+
+def test_one_slow_rank_sets_the_pace_of_every_rank():
+    prof = _profile(backward_s=0.2)  # enough backward to hide the all-reduce behind
+    m = predict.machine_for(prof, 4, 2)
+    base = predict.predict(prof, m, "ring", prof.fusion_threshold)
+    res = predict.plan_scaling(prof, [1, 4], 2, algorithms=["ring"], thresholds=[prof.fusion_threshold],
+                               straggler=0.25)
+    slow = res["summary"][1]["with_straggler"]
+    # the whole job computes at the slow rank's pace; the all-reduce still hides
+    assert slow["step_s"] == pytest.approx(base.step_s + 0.25 * prof.compute_s, rel=1e-6)
+    assert slow["efficiency"] == pytest.approx(prof.compute_s / slow["step_s"])
+    with pytest.raises(ValueError, match="fraction"):
+        predict.with_straggler(prof, -0.1)
