@@ -46,28 +46,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> Tuple[Any, Any, Any, Any, Any]:
     """(config, model, optimizer, loss_fn, make_batch) as `hpctrain train` would build them."""
     from hpctrain.data.h5files import describe, expand_paths
-    from hpctrain.train.build import auto_threads, import_factory, infer_model_kwargs, make_optimizer, per_sample_loss
+    from hpctrain.train.build import (auto_threads, import_factory, infer_model_kwargs, make_optimizer, per_sample_loss,
+                                      resolve_device)
     from hpctrain.train.config import load_config
     from hpctrain.train.losses import parse_loss
 
     cfg = load_config(args.config)
     auto_threads(cfg)
     torch.manual_seed(cfg.seed)
-    model = import_factory(cfg.model.factory)(**infer_model_kwargs(cfg))
+    device = resolve_device(cfg.device)
+    model = import_factory(cfg.model.factory)(**infer_model_kwargs(cfg)).to(device)
     batch = args.batch or (cfg.batch_size if cfg.batch_size != "auto" else 32)
     xk, yk = cfg.data.x_key, cfg.data.keys["y"]
     info = describe(expand_paths(list(cfg.data.train))[0], [xk, yk])
     xshape, yshape = info.keys[xk].shape[1:], info.keys[yk].shape[1:]
     classify = parse_loss(cfg.loss).classification is not False
-    x = torch.rand((int(batch), *xshape))
-    y = torch.zeros((int(batch),), dtype=torch.long) if classify else torch.zeros((int(batch), *yshape))
+    x = torch.rand((int(batch), *xshape), device=device)
+    y = (torch.zeros((int(batch),), dtype=torch.long) if classify else torch.zeros((int(batch), *yshape))).to(device)
     opt = make_optimizer(cfg, model.parameters(), cfg.optimizer.lr)
     return cfg, model, opt, (lambda out: per_sample_loss(cfg, out, y).mean()), (int(batch), x)
 
 
+def _now(x: torch.Tensor) -> float:
+    """The time once the device has finished what was queued (GPU kernels run asynchronously)."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
+
+
 def time_compute(model, opt, loss_fn, x, steps: int, warmup: int) -> Dict[str, Any]:
     """Median forward, backward and optimizer seconds of plain (undistributed) steps, and
-    each parameter's median ready time after backward began (post-accumulate-grad hooks)."""
+    each parameter's median ready time after backward began (post-accumulate-grad hooks; on
+    a GPU they fire when autograd queues the gradient's last kernel, so the times lead the
+    device by what is in its queue)."""
     params = [p for p in model.parameters() if p.requires_grad]
     ready: List[List[float]] = [[] for _ in params]
     stamps: Dict[int, float] = {}
@@ -78,13 +89,13 @@ def time_compute(model, opt, loss_fn, x, steps: int, warmup: int) -> Dict[str, A
         for step in range(warmup + steps):
             opt.zero_grad()
             stamps.clear()
-            t0 = time.perf_counter()
+            t0 = _now(x)
             loss = loss_fn(model(x))
-            t1 = time.perf_counter()
+            t1 = _now(x)
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = _now(x)
             opt.step()
-            t3 = time.perf_counter()
+            t3 = _now(x)
             if step >= warmup:
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
@@ -110,12 +121,12 @@ def time_distributed(model, opt, loss_fn, x, cfg, steps: int, warmup: int) -> Tu
     try:
         for step in range(warmup + steps):
             comm.barrier()
-            t0 = time.perf_counter()
+            t0 = _now(x)
             dist.zero_grad()
             loss_fn(model(x)).backward()
             dist.step()
             if step >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(_now(x) - t0)
         overlapped = bool(dist._overlap)
     finally:
         dist.remove_hooks()
