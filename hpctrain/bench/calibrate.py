@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from hpctrain import comm
+from hpctrain.bench.allreduce import iterations, timed
 from hpctrain.scaling.fabrics import Link, link_from_spec
 from hpctrain.scaling.profile import Param, Profile
 
@@ -118,9 +119,9 @@ def time_distributed(model, opt, loss_fn, x, cfg, steps: int, warmup: int) -> Tu
     dist = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     fusion_threshold=cfg.sync.fusion_threshold, sync=sync_name(cfg))
     times = []
+    comm.barrier()  # once: the steps' own all-reduces keep the ranks together, as in training
     try:
         for step in range(warmup + steps):
-            comm.barrier()
             t0 = _now(x)
             dist.zero_grad()
             loss_fn(model(x)).backward()
@@ -154,26 +155,27 @@ def reduction_throughput() -> float:
 
 def intra_node_link(steps: int, gamma: float) -> Link:
     """One node's shared-memory all-reduce timed at SIZES, fitted to the model's form
-    (``model.shm_time``: 2α + 2n/β + (G−1)/G·n/γ). Every rank of the job on its own node's
-    group at once."""
+    (``model.shm_time``: 2α + 2n/β + (G−1)/G·n/γ). On one node, on the world group, as
+    training runs it (a group of its own can lack the world's shared-memory flags); across
+    nodes, every node's ranks on a group of their own, all at once."""
     w = comm.world()
     topo = w.topology
-    groups = [comm.new_group(topo.ranks_on(n)) for n in range(topo.num_nodes)]
-    mine = next(g for g in groups if g is not None)
-    local = mine.size
+    if topo.single_node:
+        mine = None
+        local = w.size
+    else:
+        groups = [comm.new_group(topo.ranks_on(n)) for n in range(topo.num_nodes)]
+        mine = next(g for g in groups if g is not None)
+        local = mine.size
     if local == 1:
         return Link(5e-6, 5e9)
     times = []
     for nbytes in SIZES:
         buf = np.ones(nbytes // 4, np.float32)
-        samples = []
-        for i in range(2 + steps):
-            comm.barrier()
-            t0 = time.perf_counter()
-            comm.allreduce_(buf, algorithm="shm", group=mine)
-            if i >= 2:
-                samples.append(time.perf_counter() - t0)
-        times.append(max(comm.allgather_object(statistics.median(samples))))
+        # back-to-back calls, as a step's buckets go: one barrier per timing, not per call,
+        # so that ranks leaving a barrier at different moments do not count as latency
+        times.append(timed(lambda: comm.allreduce_(buf, algorithm="shm", group=mine),
+                           iterations(nbytes, steps), 2))
     return shm_link_from_times(SIZES, times, local, gamma)
 
 

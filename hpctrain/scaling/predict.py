@@ -98,7 +98,7 @@ def predict(profile: Profile, m: Machine, algorithm: str, threshold: int,
     return Prediction(
         nodes=m.nodes, ranks=m.size, algorithm=algorithm, fusion_threshold=threshold, buckets=len(buckets),
         step_s=step, comm_s=total, exposed_s=exposed,
-        hidden_fraction=1.0 - exposed / total if total > 0 else 1.0,
+        hidden_fraction=min(1.0, max(0.0, 1.0 - exposed / total)) if total > 0 else 1.0,
         samples_per_s=m.size * profile.batch_per_rank / step if step > 0 else float("inf"),
         efficiency=profile.compute_s / step if step > 0 else 1.0,
     )
