@@ -31,7 +31,7 @@ HEADER_LEN = 7
 _enabled = {"on": True, "chosen": False}
 
 _OP_NAMES = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
-             "broadcast_object", "allgather_object", "grouped_allreduce"]
+             "broadcast_object", "allgather_object", "grouped_allreduce", "join"]
 _RED_NAMES = ["-", *OPS]
 _ALGO_NAMES = ["-", *ALGORITHMS]
 _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
@@ -205,7 +205,7 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
         if not ok:
             for r in range(1, group.size):
                 comm.send(headers, dest=r, tag=_TAG_MESSAGE)
-            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what))
+            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
     else:
         comm.Send(header, dest=0, tag=_TAG_HEADER)
         verdict = np.empty(1, dtype=np.int64)
@@ -216,7 +216,7 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
             if verdict[0] != 0:
                 headers = comm.recv(source=0, tag=_TAG_MESSAGE)
         if verdict[0] != 0:
-            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what))
+            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
 
 
 def plain_shape(shape):

@@ -9,8 +9,8 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
   name is not submitted twice while pending.
 - ``op=Adasum`` raises NotImplementedError.
 - ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
-- ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
-  while a rank has joined.
+- ``join()`` needs the agreement check (on by default); with HPCTRAIN_CHECK_COLLECTIVES=0
+  it is a collective every rank calls.
 
 Gradients, integer scaling, ``root_rank`` (a global rank) and argument errors follow
 Horovod 0.28; tests/mpi/test_horovod_conformance.py checks each.
@@ -494,7 +494,11 @@ def _negotiate(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional
         err = e
     if ps.size() > 1:
         desc = agreement.describe(kind, tensors, **fields)
-        calls = comm.allgather_object((desc, None if err is None else f"{type(err).__name__}: {err}"), group=group)
+        try:
+            calls = comm.allgather_object((desc, None if err is None else f"{type(err).__name__}: {err}"),
+                                          group=group)
+        except CollectiveMismatchError as e:  # e.g. ranks have joined (hvd.join)
+            raise _Mismatch(f"{kind}: {e}") from e
         outcome = agreement.verdict(kind, calls, ps.rank())
         if outcome is not None and outcome[0] == "internal":
             raise HorovodInternalError(outcome[1])
@@ -1174,15 +1178,16 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
 
 # --------------------------------------------------------------------------- join, barrier
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join()``; return the rank that arrived last.
-
-    Unlike Horovod, ranks that joined do not take part in other ranks' later all-reduces: give
-    every rank the same number of batches (``DistributedSampler`` does) and call ``join()``
-    at the end on every rank.
-    """
+    """Horovod's join: until every rank has called ``join()``, this rank takes part in the
+    other ranks' all-reduces with zeros (so ``DistributedOptimizer`` steps on ranks with more
+    batches complete: Sum gives their sum, Average divides by ``size()``); other collectives
+    called meanwhile raise HorovodInternalError on the ranks that call them. Returns the rank
+    that joined last. ``device`` is accepted (tensors stand in on the host)."""
     _require_init("hvd.join")
-    arrived = comm.allgather_object(time.time())
-    return max(range(len(arrived)), key=lambda r: (arrived[r], r))
+    try:
+        return comm.join()
+    except CollectiveMismatchError as e:
+        raise _Mismatch(str(e)) from e
 
 
 @_traced("BARRIER")

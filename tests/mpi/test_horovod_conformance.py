@@ -411,3 +411,81 @@ def test_async_errors_reach_every_rank():
     with pytest.raises(RuntimeError):
         hvd.synchronize(handle)
     _still_usable()
+
+
+# --------------------------------------------------------------------------- join
+def test_join_stands_in_for_zeros_in_the_others_allreduces():
+    # Controller: a joined rank's requests count as ready; its part of an allreduce is a zero
+    # tensor, and Average divides by the set's size (postscale_factor /= size), joined or not.
+    # Allgather and broadcast are refused while a rank is joined ("not supported with Join").
+    others = sum(r + 1.0 for r in range(1, N))
+    if R == 0:
+        assert hvd.join() == N - 1
+    else:
+        assert hvd.allreduce(torch.full((2, 3), R + 1.0), op=hvd.Sum).tolist() == [[others] * 3] * 2
+        assert torch.allclose(hvd.allreduce(torch.full((4,), R + 1.0)), torch.full((4,), others / N))
+        assert hvd.allreduce(torch.full((3,), R + 1, dtype=torch.int32), op=hvd.Sum).tolist() == [int(others)] * 3
+        parts = hvd.grouped_allreduce([torch.full((2,), R + 1.0), torch.full((1, 2), 2.0 * R)], op=hvd.Sum)
+        assert parts[0].tolist() == [others] * 2 and parts[1].tolist() == [[2.0 * (others - N + 1)] * 2]
+        handle = hvd.allreduce_async_(torch.full((5,), R + 1.0), op=hvd.Sum)
+        assert hvd.synchronize(handle).tolist() == [others] * 5
+        with pytest.raises(RuntimeError):
+            hvd.allgather(torch.ones(1, 2))
+        with pytest.raises(RuntimeError):
+            hvd.broadcast(torch.ones(2), 1)
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == N - 1  # still usable
+        assert hvd.join() == N - 1
+    _still_usable()
+    assert hvd.allgather(torch.full((1, 2), float(R))).tolist() == [[float(r)] * 2 for r in range(N)]
+
+
+def test_join_returns_the_last_rank_to_join():
+    # Every rank r > 0 makes r all-reduces after rank 0 joined, then joins: rank N-1 is last.
+    if R > 0:
+        for _ in range(R):
+            hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    assert hvd.join() == N - 1
+    if not IS_HOROVOD:  # every rank joining at once: the highest rank counts as the last
+        assert hvd.join() == N - 1
+    _still_usable()
+
+
+def test_join_lets_ranks_with_more_batches_train_with_the_distributed_optimizer():
+    # Rank 0 has 2 batches, the others 4: their steps 3 and 4 average over all N ranks with
+    # rank 0's zeros (w -= lr * sum_{r>0} grad_r / N), as Horovod computes them.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    w0 = model.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    batches = {r: 2 if r == 0 else 4 for r in range(N)}
+
+    def batch(r, step):
+        g = torch.Generator().manual_seed(100 * r + step)
+        return torch.randn(5, 3, generator=g), torch.randn(5, 1, generator=g)
+
+    for step in range(batches[R]):
+        x, y = batch(R, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = hvd.join()
+    assert last in range(1, N)
+    # the same steps by hand
+    w = w0.clone()
+    for step in range(4):
+        total = torch.zeros_like(w)
+        for r in range(N):
+            if step < batches[r]:
+                x, y = batch(r, step)
+                wr = w.clone().requires_grad_(True)
+                torch.nn.functional.mse_loss(x @ wr.t(), y).backward()
+                total += wr.grad
+        w = w - 0.1 * total / N
+        if step == 1 and R == 0:
+            assert torch.allclose(model.weight.detach(), w, atol=1e-6)
+    if R > 0:
+        assert torch.allclose(model.weight.detach(), w, atol=1e-6)
+    everyone = hvd.allgather(model.weight.detach())
+    assert all(torch.equal(everyone[r], everyone[1]) for r in range(1, N))
+    _still_usable()
