@@ -164,15 +164,17 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
 
 
 def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,
-                    inplace: bool = False) -> asyncq.Handle:
-    """Start an all-reduce on the background thread; ``handle.wait()`` returns the result."""
+                    inplace: bool = False, agree_on=None) -> asyncq.Handle:
+    """Start an all-reduce on the background thread; ``handle.wait()`` returns the result.
+    ``agree_on``: what the agreement check compares instead of the shape (``guard.named_shape``:
+    the ranks' calls must also carry the same name)."""
     g = resolve(group)
     check_op(op)
     if device.on_device(x):
         device.ready(x)  # the caller's stream: the worker thread has its own
     else:
         flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
-    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace))
+    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on))
 
 
 _FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
@@ -682,6 +684,21 @@ def join(group: Optional[Group] = None) -> int:
     ranks' all-reduces with zeros (``joining.py``); return the group rank that joined last."""
     g = _sync_start(group)
     return joining.join(g, watchdog())
+
+
+def refuse(group: Optional[Group] = None) -> None:
+    """Stand for a call this rank refused (its arguments were wrong): enter the collective the
+    other ranks of ``group`` are in with an ``invalid_call`` header, so that their agreement
+    check fails (CollectiveMismatchError naming this rank) and nobody waits for a collective
+    this rank will not run. The caller then raises its own error. Without the agreement check
+    (HPCTRAIN_CHECK_COLLECTIVES=0) this does nothing."""
+    g = _sync_start(group)
+    if g.size == 1 or not guard.checks_enabled():
+        return
+    try:
+        guard.agree(g, guard.make_header(0, "invalid_call"), watchdog())
+    except CollectiveMismatchError:
+        pass  # the expected outcome: the others' call failed as well
 
 
 # --------------------------------------------------------------------------- point to point

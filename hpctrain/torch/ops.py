@@ -35,6 +35,7 @@ from .compression import Compression
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hpctrain.comm import asyncq
 from hpctrain.comm.errors import CollectiveMismatchError
+from hpctrain.comm.guard import named_shape
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -411,6 +412,28 @@ class _Mismatch(HorovodInternalError, CollectiveMismatchError):
 _pending_names: set = set()
 
 
+def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An all-reduce call whose arguments this rank refuses (ValueError, TypeError,
+    NotImplementedError before its collective ran) tells the set's other ranks through their
+    agreement check (``comm.refuse``): their call raises HorovodInternalError naming this rank
+    instead of waiting for it, and the next collective works, as in Horovod. A call refused on
+    every rank costs one agreement check. Nothing is added to a call that succeeds."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            if not getattr(err, "_hpctrain_refused", False) and comm.is_initialized():
+                err._hpctrain_refused = True  # type: ignore[attr-defined] - an outer call must not refuse again
+                ps = signature.bind_partial(*args, **kwargs).arguments.get("process_set") or global_process_set
+                if ps.included() and ps._registered:
+                    comm.refuse(None if ps.ranks is None else ps._group)
+            raise
+    return call
+
+
 def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
     """Horovod refuses an operation under a name that is still pending. Here a name is pending
     from submission until its handle is synchronized, which is the same moment on every rank
@@ -544,8 +567,10 @@ def _scale_(buf: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
-                     name: str) -> Handle:
-    """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor."""
+                     name: str, agree_name: Optional[str] = None) -> Handle:
+    """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor.
+    ``agree_name``: the caller's ``name=``, which the ranks' agreement check compares too (so
+    calls matched out of order by name raise on every rank instead of mixing tensors)."""
     group = _group(process_set)
     n = _group_size(process_set)
     host, restore = staging.to_host(tensor)
@@ -563,7 +588,8 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
     by_scaling = op == ReduceOp.Average and (prescale != 1.0 or postscale != 1.0 or not _is_float(buf))
     _scale_(buf, prescale)
     comm_op = "sum" if by_scaling else _COMM_OPS[op]
-    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True)
+    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True,
+                                 agree_on=None if agree_name is None else named_shape(agree_name, tensor.shape))
 
     def finish(_: Any) -> torch.Tensor:
         _scale_(buf, postscale / n if by_scaling else postscale)
@@ -601,6 +627,7 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Any = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -620,10 +647,11 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         out = _AllreduceFn.apply(wire, op, prescale_factor, postscale_factor, process_set, name or "allreduce")
         return compression.decompress(out, cctx)
     return _allreduce_start(tensor, op, prescale_factor, postscale_factor, compression, process_set,
-                            None, name or "allreduce").wait()
+                            None, name or "allreduce", name).wait()
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
@@ -633,10 +661,11 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     _check_tensor(tensor, "allreduce_async")
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
-                                                 compression, process_set, None, name or "allreduce"))
+                                                 compression, process_set, None, name or "allreduce", name))
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -645,6 +674,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
@@ -653,11 +683,12 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     _check_tensor(tensor, "allreduce_async_")
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
-                                                 Compression.none, process_set, tensor, name or "allreduce_"))
+                                                 Compression.none, process_set, tensor, name or "allreduce_", name))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
-                   compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str) -> Handle:
+                   compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str,
+                   agree_name: Optional[str] = None) -> Handle:
     tensors = [_check_tensor(t, "grouped_allreduce") for t in tensors]
     # One fused buffer per dtype, in first-seen order (identical on every rank for identical input).
     order: List[torch.dtype] = []
@@ -668,7 +699,8 @@ def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: floa
     for dtype in order:
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
-        parts.append((members, _allreduce_start(flat, op, prescale, postscale, compression, process_set, None, name)))
+        parts.append((members, _allreduce_start(flat, op, prescale, postscale, compression, process_set, None, name,
+                                                agree_name)))
 
     def finish(_: Any) -> List[torch.Tensor]:
         results: List[Optional[torch.Tensor]] = [None] * len(tensors)
@@ -722,6 +754,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = Compression.none, op: Optional[int] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -735,10 +768,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                                          name or "grouped_allreduce", *wires)
         return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
     return _grouped_start(tensors, op, prescale_factor, postscale_factor,
-                          compression, process_set, False, name or "grouped_allreduce").wait()
+                          compression, process_set, False, name or "grouped_allreduce", name).wait()
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -747,10 +781,12 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     _require_init("hvd.grouped_allreduce_async")
     op = _resolve_op(average, op)
     return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
-                                               Compression.none, process_set, False, name or "grouped_allreduce"))
+                                               Compression.none, process_set, False, name or "grouped_allreduce",
+                                               name))
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
@@ -759,6 +795,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -767,7 +804,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     _require_init("hvd.grouped_allreduce_async_")
     op = _resolve_op(average, op)
     return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
-                                               Compression.none, process_set, True, name or "grouped_allreduce_"))
+                                               Compression.none, process_set, True, name or "grouped_allreduce_",
+                                               name))
 
 
 # --------------------------------------------------------------------------- allgather

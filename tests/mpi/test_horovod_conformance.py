@@ -312,6 +312,62 @@ def test_duplicate_pending_name_raises_and_the_first_survives():
     _still_usable()
 
 
+@pytest.mark.skipif(IS_HOROVOD, reason="Horovod raises on that rank only and the others wait for it forever")
+def test_argument_error_on_one_rank_raises_on_every_rank():
+    # Horovod's rule (a bad call costs one exception per rank, the job stays usable), for the
+    # all-reduces, whose calls hpctrain does not describe to each other beforehand.
+    bad = R == N - 1
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.allreduce(torch.ones(3), op=99 if bad else hvd.Sum)
+    _still_usable()
+    with pytest.raises((TypeError, RuntimeError)):
+        hvd.allreduce_("not a tensor" if bad else torch.ones(3), op=hvd.Sum)
+    _still_usable()
+    if bad:
+        with pytest.raises(ValueError):
+            hvd.allreduce_async(torch.ones(2), op=99)
+    else:
+        handle = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
+        with pytest.raises(RuntimeError):
+            hvd.synchronize(handle)
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.grouped_allreduce([torch.ones(2), torch.ones(1)], op=99 if bad else hvd.Sum)
+    _still_usable()
+
+
+def test_duplicate_name_pending_on_one_rank_only_raises_everywhere():
+    x = torch.full((3,), float(R))
+    first = hvd.allreduce_async(x, name="dup.one", op=hvd.Sum)
+    if R == 0:
+        hvd.synchronize(first)  # rank 0's name is free again, the others' is still pending
+    if IS_HOROVOD:
+        return hvd.synchronize(first) if R != 0 else None
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.synchronize(hvd.allreduce_async(x, name="dup.one", op=hvd.Sum))
+    if R != 0:
+        assert hvd.synchronize(first).tolist() == [N * (N - 1) / 2] * 3
+    _still_usable()
+
+
+def test_names_submitted_in_different_orders():
+    # Horovod matches by name, so both orders give each name's sum. hpctrain matches by
+    # submission order and checks the names: every rank raises, none mixes two tensors.
+    a, b = torch.full((2,), float(R)), torch.full((2,), 10.0 * R)
+    order = ["order.a", "order.b"] if R % 2 == 0 else ["order.b", "order.a"]
+    handles = {name: hvd.allreduce_async({"order.a": a, "order.b": b}[name], name=name, op=hvd.Sum)
+               for name in order}
+    if IS_HOROVOD:
+        assert hvd.synchronize(handles["order.a"]).tolist() == [N * (N - 1) / 2] * 2
+        assert hvd.synchronize(handles["order.b"]).tolist() == [10 * N * (N - 1) / 2] * 2
+    else:
+        for name in order:
+            with pytest.raises(RuntimeError, match="order"):
+                hvd.synchronize(handles[name])
+    same = [hvd.allreduce_async(a, name="order.same", op=hvd.Sum)]
+    assert hvd.synchronize(same[0]).tolist() == [N * (N - 1) / 2] * 2
+    _still_usable()
+
+
 # --------------------------------------------------------------------------- timeline
 def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path):
     # Timeline: rank 0 writes JSON events; each tensor name is a trace "process" (M events),
