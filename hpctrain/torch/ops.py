@@ -5,8 +5,9 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
 ``poll``. Differences, all documented in docs/torch.md:
 
 - collectives are matched by submission order (every rank must issue the same collectives in
-  the same order), not by ``name=``; names serve messages, the timeline and the check that a
-  name is not submitted twice while pending.
+  the same order), not by ``name=``; an explicit name is part of what the ranks of an
+  all-reduce or an ``*_async`` call agree on, so calls issued in different orders raise on
+  every rank.
 - ``op=Adasum`` raises NotImplementedError.
 - ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
 - ``join()`` needs the agreement check (on by default); with HPCTRAIN_CHECK_COLLECTIVES=0
@@ -540,11 +541,11 @@ def _submit(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[Pr
     try:
         checked = check()
     except (ValueError, TypeError, NotImplementedError):
-        _negotiate(kind, tensors, process_set, check, **fields)
+        _negotiate(kind, tensors, process_set, check, name=name, **fields)
         raise
 
-    def job() -> Any:
-        _negotiate(kind, tensors, process_set, lambda: checked, **fields)
+    def job() -> Any:  # the name is compared too: calls matched out of order raise on every rank
+        _negotiate(kind, tensors, process_set, lambda: checked, name=name, **fields)
         return run(checked)
 
     return Handle(asyncq.submit(name, job), None, name=name)

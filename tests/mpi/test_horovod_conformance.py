@@ -363,6 +363,14 @@ def test_names_submitted_in_different_orders():
         for name in order:
             with pytest.raises(RuntimeError, match="order"):
                 hvd.synchronize(handles[name])
+    gathers = {name: hvd.allgather_async(torch.full((1, 2), float(R)), name=name.replace("order", "order.g"))
+               for name in order}
+    for name in order:
+        if IS_HOROVOD:
+            assert hvd.synchronize(gathers[name]).tolist() == [[float(r)] * 2 for r in range(N)]
+        else:
+            with pytest.raises(RuntimeError, match="order"):
+                hvd.synchronize(gathers[name])
     same = [hvd.allreduce_async(a, name="order.same", op=hvd.Sum)]
     assert hvd.synchronize(same[0]).tolist() == [N * (N - 1) / 2] * 2
     _still_usable()
