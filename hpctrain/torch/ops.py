@@ -1233,4 +1233,7 @@ def join(device: int = -1) -> int:
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached the barrier."""
     _require_init("hvd.barrier")
-    comm.barrier(group=_group(process_set))
+    try:
+        comm.barrier(group=_group(process_set))
+    except CollectiveMismatchError as e:  # e.g. ranks have joined (hvd.join)
+        raise _Mismatch(f"barrier: {e}") from e

@@ -497,6 +497,8 @@ def test_join_stands_in_for_zeros_in_the_others_allreduces():
             hvd.allgather(torch.ones(1, 2))
         with pytest.raises(RuntimeError):
             hvd.broadcast(torch.ones(2), 1)
+        with pytest.raises(RuntimeError):
+            hvd.barrier()
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == N - 1  # still usable
         assert hvd.join() == N - 1
     _still_usable()
