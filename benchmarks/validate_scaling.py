@@ -8,15 +8,21 @@ then:
 1. ``hpctrain bench calibrate`` on 2 nodes x 1 rank: the profile (compute, gradients, and the
    shaped link's α and β by ping-pong) and a measured data-parallel step;
 2. the same command on 1 node and on 3 nodes x 1 rank, for their measured steps;
-3. ``hpctrain plan --profile <2-node profile> --nodes 1,2,3 --ranks-per-node 1 --json``;
+3. ``hpctrain bench allreduce --algos ring`` of the gradients' size on 2 and 3 nodes;
+4. ``hpctrain plan --profile <2-node profile> --nodes 1,2,3 --ranks-per-node 1 --json``, and per
+   node count a plan from that run's own compute with the 2-node link (the namespace nodes
+   share the machine's cores, so compute depends on how many run);
 
-and prints predicted vs measured step time per node count. The all-reduce is pinned to
+and prints predicted vs measured step and all-reduce time per node count. The all-reduce is pinned to
 hpctrain's ring (HPCTRAIN_ALLREDUCE=ring) and the plan to the ``ring`` rows at the profile's
 fusion threshold, so both sides run the same algorithm. The shaping is removed on every exit.
 
 Needs root (network namespaces, tc) and Open MPI 5; run from the repository root:
 
-  .venv/bin/python benchmarks/validate_scaling.py --rate 1gbit [--json out.json]
+  .venv/bin/python benchmarks/validate_scaling.py --rate 1gbit [--steps 30] [--json out.json]
+
+A small tbf burst (64 KB at 1 Gbit/s) throttles a ring's two-way TCP flows far below the rate
+a one-way ping-pong measures; the default burst is 1 MB.
 
 Latency is not added: that needs tc's netem qdisc, which not every kernel has; the veth
 link's own latency (tens of µs, measured by calibrate) is what the model gets.
@@ -198,6 +204,15 @@ def print_table(rows: List[dict], link: dict, cal: dict) -> None:
               f"| {r['predicted_own_compute_s'] * 1e3:.1f} | {r['error_own_compute'] * 100:+.1f}% |")
 
 
+def print_allreduce_table(rows: List[dict], bare: Dict[int, float]) -> None:
+    print("\n| nodes × ranks | bare ring all-reduce of the gradients, measured (ms) | predicted (ms) | error |")
+    print("|---|---|---|---|")
+    for r in rows[1:]:
+        r["measured_allreduce_s"] = bare[r["nodes"]]
+        print(f"| {r['nodes']} × 1 | {bare[r['nodes']] * 1e3:.1f} | {r['predicted_comm_s'] * 1e3:.1f} "
+              f"| {(r['predicted_comm_s'] / bare[r['nodes']] - 1) * 100:+.1f}% |")
+
+
 def _numel(shape: List[int]) -> int:
     n = 1
     for s in shape:
@@ -228,15 +243,12 @@ def validate(args: argparse.Namespace, work: Path) -> dict:
     rows = table(profiles, predicted, own_compute_plans(profiles, work))
     cal = profiles[2]
     print_table(rows, cal["links"]["inter"], cal)
-    print("\n| nodes × ranks | bare ring all-reduce of the gradients, measured (ms) | predicted (ms) | error |")
-    print("|---|---|---|---|")
-    for r in rows[1:]:
-        r["measured_allreduce_s"] = bare[r["nodes"]]
-        print(f"| {r['nodes']} × 1 | {bare[r['nodes']] * 1e3:.1f} | {r['predicted_comm_s'] * 1e3:.1f} "
-              f"| {(r['predicted_comm_s'] / bare[r['nodes']] - 1) * 100:+.1f}% |")
-    return {"overlap": args.overlap, "load_average_before": load_before, "rate": args.rate, "burst": args.burst, "tbf_latency": args.tbf_latency, "loadavg_after": loadavg(), "rows": rows, "shaping": applied,
-            "inter": cal["links"]["inter"], "plan_command": "hpctrain plan --profile profile-2.json --nodes 1,2,3 "
-            "--ranks-per-node 1 --algorithms ring --json plan.json"}
+    print_allreduce_table(rows, bare)
+    return {"overlap": args.overlap, "load_average_before": load_before, "loadavg_after": loadavg(),
+            "rate": args.rate, "burst": args.burst, "tbf_latency": args.tbf_latency, "rows": rows,
+            "shaping": applied, "inter": cal["links"]["inter"],
+            "plan_command": "hpctrain plan --profile profile-2.json --nodes 1,2,3 --ranks-per-node 1 "
+                            "--algorithms ring --json plan.json"}
 
 
 def main(argv: List[str]) -> int:
