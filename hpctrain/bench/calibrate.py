@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- compute
 def build(args: argparse.Namespace) -> Tuple[Any, Any, Any, Any, Any]:
     """(config, model, optimizer, loss_fn, make_batch) as `hpctrain train` would build them."""
+    from hpctrain.data import roles
     from hpctrain.data.h5files import describe, expand_paths
     from hpctrain.train.build import (auto_threads, import_factory, infer_model_kwargs, make_optimizer, per_sample_loss,
                                       resolve_device)
@@ -53,6 +54,8 @@ def build(args: argparse.Namespace) -> Tuple[Any, Any, Any, Any, Any]:
     from hpctrain.train.losses import parse_loss
 
     cfg = load_config(args.config)
+    if not cfg.data.keys:  # as `hpctrain train` does: the roles `hpctrain data pack` recorded
+        cfg.data.resolve_keys(roles(expand_paths(list(cfg.data.train))[0]))
     auto_threads(cfg)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
