@@ -351,8 +351,9 @@ def _traced(op_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def traced(*args: Any, **kwargs: Any) -> Any:
             if not timeline.active() or getattr(_trace_depth, "n", 0):
                 return fn(*args, **kwargs)
-            name = signature.bind_partial(*args, **kwargs).arguments.get("name") or \
-                f"{op_name.lower()}.noname.{next(_trace_counter)}"
+            # Horovod's row names: "<op>.<name>", "<op>.noname.<counter>" without a name.
+            given = signature.bind_partial(*args, **kwargs).arguments.get("name")
+            name = f"{op_name.lower()}.{given}" if given else f"{op_name.lower()}.noname.{next(_trace_counter)}"
             t0 = time.time()
             _trace_depth.n = 1
             try:
@@ -372,7 +373,7 @@ def _traced(op_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 class Handle:
     """Handle of an asynchronous operation: pass it to :func:`synchronize` or :func:`poll`."""
 
-    __slots__ = ("_inner", "_finish", "_result", "_finished", "name", "_pending_name", "_trace")
+    __slots__ = ("_inner", "_finish", "_result", "_finished", "name", "_pending_name", "_trace", "_cleared")
 
     def __init__(self, inner: Any = None, finish: Optional[Callable[[Any], Any]] = None,
                  result: Any = None, name: str = "") -> None:
@@ -383,6 +384,7 @@ class Handle:
         self.name = name
         self._pending_name: Optional[str] = None
         self._trace: Optional[Tuple[str, str, float]] = None
+        self._cleared = False  # synchronize() returned its result: poll() refuses it, as Horovod does
 
     def done(self) -> bool:
         """True when the operation has completed (``synchronize`` will not block)."""
@@ -453,13 +455,19 @@ def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous operation and return its output tensor."""
     if not isinstance(handle, Handle):
         raise ValueError(f"synchronize() expects a handle returned by an *_async function, got {type(handle).__name__}")
-    return handle.wait()
+    try:
+        return handle.wait()
+    finally:
+        handle._cleared = True
 
 
 def poll(handle: Handle) -> bool:
     """True when the asynchronous operation behind ``handle`` has finished."""
     if not isinstance(handle, Handle):
         raise ValueError(f"poll() expects a handle returned by an *_async function, got {type(handle).__name__}")
+    if handle._cleared:
+        raise ValueError(f"Handle {handle.name or id(handle)} was not created or has been cleared.\n"
+                         "HINT: poll() a handle before synchronize(handle), which releases it")
     return handle.done()
 
 
@@ -485,6 +493,19 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if tensor.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported here; "
                          "HINT: call .to_dense() first, or use DistributedOptimizer(sparse_as_dense=True)")
+    return tensor
+
+
+# Horovod's allreduce has kernels for these integer types, float16/32/64 only; a uint8, int8,
+# int16 or bool tensor is refused before anything is sent (bfloat16 and complex stay allowed).
+_UNREDUCIBLE = {torch.uint8: "torch.ByteTensor", torch.int8: "torch.CharTensor", torch.int16: "torch.ShortTensor",
+                torch.bool: "torch.BoolTensor"}
+
+
+def _check_reducible(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype in _UNREDUCIBLE:
+        raise ValueError(f"Tensor type {_UNREDUCIBLE[tensor.dtype]} is not supported.\n"
+                         "HINT: all-reduce int32, int64 or floating-point tensors (e.g. tensor.int() first)")
     return tensor
 
 
@@ -642,7 +663,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     dtype on the wire (``Compression.fp16`` / ``.bf16``).
     """
     _require_init("hvd.allreduce")
-    _check_tensor(tensor, "allreduce")
+    _check_reducible(_check_tensor(tensor, "allreduce"))
     op = _resolve_op(average, op)
     if _wants_grad([tensor]):
         # Compression outside the autograd function, as Horovod does: the cast is differentiable.
@@ -661,7 +682,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     compression: Any = Compression.none) -> Handle:
     """Start :func:`allreduce`; ``synchronize(handle)`` returns the new tensor."""
     _require_init("hvd.allreduce_async")
-    _check_tensor(tensor, "allreduce_async")
+    _check_reducible(_check_tensor(tensor, "allreduce_async"))
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
                                                  compression, process_set, None, name or "allreduce", name))
@@ -683,7 +704,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     _require_init("hvd.allreduce_async_")
-    _check_tensor(tensor, "allreduce_async_")
+    _check_reducible(_check_tensor(tensor, "allreduce_async_"))
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
                                                  Compression.none, process_set, tensor, name or "allreduce_", name))
@@ -692,7 +713,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
                    compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str,
                    agree_name: Optional[str] = None) -> Handle:
-    tensors = [_check_tensor(t, "grouped_allreduce") for t in tensors]
+    tensors = [_check_reducible(_check_tensor(t, "grouped_allreduce")) for t in tensors]
     if op == ReduceOp.Adasum:  # one exchange, each tensor with its own coefficients (Horovod's fused Adasum)
         from . import adasum
 

@@ -145,7 +145,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
       parameters, each reduced as one unit; default: fuse by ``HPCTRAIN_FUSION_THRESHOLD`` bytes.
     - ``sparse_as_dense``: False (default): sparse gradients (``nn.Embedding(sparse=True)``)
       stay sparse; their indices and values are allgathered, as in Horovod. True: they are
-      made dense and all-reduced with the other gradients.
+      made dense and all-reduced with the other gradients, then made sparse again before the
+      update, as in Horovod (so the wrapped optimizer must accept sparse gradients: SparseAdam).
     - ``process_set``: average over these ranks only (default: all). A registered
       ``hvd.ProcessSet`` (``hvd.add_process_set``) or an ``hpctrain.comm.Group`` (``comm.split``,
       ``comm.new_group``); only its members create the optimizer, and they must agree on it.
@@ -338,6 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._slot_scale[slot.index] = self._bucket_scale[b]
         self._adopted = [False] * len(self._params)  # gradient already in its slot this round
         self._sparse_grads: Dict[int, torch.Tensor] = {}  # sparse gradients of this round (Horovod's path)
+        self._densified: Dict[int, int] = {}  # sparse_as_dense: parameter -> its gradient's sparse_dim
 
     # ------------------------------------------------------------------ Optimizer surface
     @property
@@ -557,7 +559,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sparse_grads[i] = g
             return
         else:
-            if g.is_sparse:
+            if g.is_sparse:  # sparse_as_dense: dense for the all-reduce only, sparse again after it
+                self._densified[i] = g.sparse_dim()
                 g = g.to_dense()
             if g is view or (g.data_ptr() == view.data_ptr() and g.shape == view.shape):
                 if scale is not None:  # zero_grad(set_to_none=False): autograd added into the slot
@@ -646,6 +649,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for b in range(len(self._states)):
                     self._finish(b)
                 self._reduce_sparse()
+                # As Horovod: the optimizer sees the averaged gradient as sparse again (so it
+                # needs a sparse-capable optimizer such as SparseAdam, as without the option).
+                for i, sparse_dim in self._densified.items():
+                    self._params[i].grad = self._views[i].to_sparse(sparse_dim)
+                self._densified = {}
                 self._reset_round()
         elif isinstance(self._strategy, ParameterServer):
             self._reduce_to_server()
@@ -696,7 +704,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for buf in self._buffers:
             buf.zero_()
         for i, p in enumerate(self._params):
-            if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+            if p.grad is not None and p.grad.is_sparse:
                 p.grad = None  # the next backward pass makes a fresh sparse gradient
             elif p.grad is not self._views[i]:
                 p.grad = self._views[i]
