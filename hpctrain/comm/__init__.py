@@ -16,8 +16,8 @@ def __getattr__(name):
     # The collectives import mpi4py; load them on first use so `import hpctrain.comm` stays cheap.
     import importlib
 
-    if name.startswith("__"):
-        raise AttributeError(name)
+    if name.startswith("_"):  # private names (the C extensions among them) are never the collectives':
+        raise AttributeError(name)  # `from . import _shmsync` asks here first, mid-import of shmsync
     collectives = importlib.import_module("hpctrain.comm.collectives")
     if hasattr(collectives, name):
         value = getattr(collectives, name)
