@@ -11,7 +11,7 @@ from hpctrain import comm, settings
 from hpctrain.comm import collectives, plan
 
 RANKS = (2, 3)
-TIMEOUT = 300
+TIMEOUT = 360
 
 comm.init()
 N, R = comm.size(), comm.rank()
@@ -102,7 +102,7 @@ def run_both(g, length, dtype, op, spy, nan=False):
 
 @pytest.mark.parametrize("checks", [True, False])
 @pytest.mark.parametrize("group", list(GROUPS))
-@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int8", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "float16"])
 def test_lean_and_general_paths_take_one_route(dtype, group, checks, spy):
     g = GROUPS[group]
     comm.set_checks(checks)
