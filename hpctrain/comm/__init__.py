@@ -32,7 +32,7 @@ __all__ = [
     "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async",
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
-    "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "tuned_counts", "Handle",
+    "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "allreduce_route", "tuned_counts", "Handle",
     "synchronize_all", "cuda_support", "accept_device_buffers", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
     "CollectiveMismatchError", "StallError", "NotInitializedError", "WorldSizeError",
 ]

@@ -172,7 +172,7 @@ _SHM = guard.algorithm_index("shm")
 _AUTO = guard.algorithm_index("auto")
 _INT64 = DTYPE_CODES["int64"]
 _SUM = shmsync.OP_CODES["sum"]
-_LEAN_KINDS = ("flags", "piped", "tuned")  # routes the lean path runs (others need the general path's checks)
+_LEAN_KINDS = ("flags", "piped", "tuned")  # the lean path runs these; the rest gain nothing from skipping checks
 _LEAN_CACHE_ENTRIES = 4096  # (size, dtype, op) a program all-reduces are few; bound the cache anyway
 
 
