@@ -16,6 +16,16 @@ from pathlib import Path
 
 import pytest
 
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    # CI (.ci/run sets HYPOTHESIS_PROFILE=ci): the same examples on every run, so that a red
+    # build is the change's fault and reproduces; a developer's run explores new ones.
+    _hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+except ImportError:  # the pure tests that use hypothesis skip themselves without it
+    pass
+
 if not os.environ.get("HPCTRAIN_MPI_CHILD"):
     collect_ignore_glob = ["mpi/*"]
 

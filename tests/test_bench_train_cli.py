@@ -36,3 +36,25 @@ def test_bench_train_rejects_bad_ranks():
                      timeout=120)
     assert result.returncode != 0
     assert "each count must be 1 or 2" in result.stdout
+
+
+def test_bench_allreduce_streams_rows_and_keeps_each_cell_in_its_budget(tmp_path):
+    """Rows appear size by size (a run across nodes takes minutes), and --max-seconds cuts the
+    calls of a slow cell: here a budget far below the default 1000 calls of a 1 KiB timing."""
+    import subprocess
+
+    from mpirun import mpi_env
+
+    out = tmp_path / "ar.json"
+    argv = python_argv("-m", "hpctrain.cli.main", "launch", "-n", "2", "--", *python_argv(
+        "-m", "hpctrain.cli.main", "bench", "allreduce", "--sizes", "1KiB,64KiB", "--algos", "mpi,auto",
+        "--repeats", "2", "--warmup", "1", "--max-seconds", "0.002", "--json", str(out)))
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=mpi_env())
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["size", "algo"])
+    sizes = [line.split()[0] for line in lines[header + 1:] if line.split()[:1] and line.split()[0].endswith("KiB")]
+    assert sizes == ["1KiB", "1KiB", "64KiB", "64KiB"], result.stdout
+    records = json.loads(out.read_text())
+    assert all(1 <= r["iters"] < 1000 for r in records if r["bytes"] == 1024), records
+    assert "OSC UCX" not in result.stdout + result.stderr

@@ -108,6 +108,24 @@ def test_bench_data_runs(tmp_path):
     assert len(files) == 2
 
 
+def test_bench_data_plugin_filters_and_pack(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run(HPCTRAIN + ["bench", "data", "--size", "2MiB", "--compressions", "bitshuffle-lz4", "--pack-bytes",
+                        "1MiB", "--repeats", "1", "--naive-seconds", "0.1", "--dir", str(tmp_path), "--features",
+                        "64", "--chunk-rows", "256", "--batch-size", "64", "--json", str(out)], tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bitshuffle-lz4, loader, shuffle=window: at " in r.stdout and "of raw slabs" in r.stdout
+    assert "pack: 1 MiB of .npy inputs" in r.stdout and " MB/s" in r.stdout
+    data = json.loads(out.read_text())
+    assert {x["compression"] for x in data["records"]} == {"bitshuffle-lz4"}
+    assert data["pack"]["MB_per_s"] > 0 and data["pack"]["input_bytes"] > (1 << 20) - (64 * 4 + 8)
+    with h5py.File(next(Path(tmp_path).glob("bench-*-bitshuffle-lz4.h5"))) as f:
+        assert f["x"].id.get_create_plist().get_filter(0)[0] == 32008
+    assert not list(Path(tmp_path).glob("pack-*"))  # the pack inputs and output are removed
+    r = run(HPCTRAIN + ["bench", "data", "--compressions", "snappy"], tmp_path)
+    assert r.returncode == 2 and "unknown compression 'snappy'" in r.stderr
+
+
 def test_progress_bar_only_on_a_terminal(tmp_path):
     import fcntl
     import pty

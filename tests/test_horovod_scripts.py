@@ -23,7 +23,13 @@ def test_horovod_script(script, ranks, extra):
     assert result.stdout.count("HOROVOD-SCRIPT-OK") == ranks, result.stdout[-6000:]
 
 
-def test_adasum_script_fails_clearly_without_hanging():
+def test_adasum_script_trains():
     result = run_mpi(2, python_argv(str(SCRIPTS / "train_mnist_style.py"), "--use-adasum", "--epochs", "1"), timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert result.stdout.count("HOROVOD-SCRIPT-OK") == 2, result.stdout[-6000:]
+
+
+def test_adasum_script_fails_clearly_without_hanging_at_three_ranks():
+    result = run_mpi(3, python_argv(str(SCRIPTS / "train_mnist_style.py"), "--use-adasum", "--epochs", "1"), timeout=300)
     assert result.returncode != 0 and result.returncode != -9, result.stdout[-4000:]
     assert "Adasum" in result.stdout and "NotImplementedError" in result.stdout

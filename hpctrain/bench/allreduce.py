@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--check", action="store_true", help="keep hpctrain's per-collective agreement check on")
+    p.add_argument("--max-seconds", type=float, default=30.0,
+                   help="time budget of one cell (one algorithm at one size, all repeats; default 30): "
+                        "fewer calls per timing where one call is slow (e.g. across nodes over TCP)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records as JSON")
 
 
@@ -70,6 +73,27 @@ def iterations(nbytes: int, at_least: int) -> int:
     return max(at_least, min(MAX_ITERS, TIMING_BYTES // max(nbytes, 1)))
 
 
+def capped_iterations(iters: int, warmup: int, repeats: int, call_seconds: float, max_seconds: float) -> int:
+    """Calls per timing so that a cell's ``repeats`` timings (each ``warmup`` + the calls) fit
+    in ``max_seconds``, given one call's time; at least one, never more than ``iters``."""
+    if call_seconds <= 0:
+        return iters
+    fit = int(max_seconds / (repeats * call_seconds)) - warmup
+    return max(1, min(iters, fit))
+
+
+def call_seconds(fn: Callable[[], None]) -> float:
+    """One call's time on the slowest rank: every rank gets the same figure, so every rank
+    derives the same number of calls from it."""
+    t0 = time.perf_counter()
+    fn()
+    return timed_max(time.perf_counter() - t0)
+
+
+def timed_max(seconds: float) -> float:
+    return float(comm.allreduce(np.array([seconds]), op="max", algorithm="native")[0])
+
+
 def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
     """Mean seconds per call on the slowest rank."""
     for _ in range(warmup):
@@ -78,8 +102,7 @@ def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    elapsed = (time.perf_counter() - t0) / max(iters, 1)
-    return float(comm.allreduce(np.array([elapsed]), op="max", algorithm="native")[0])
+    return timed_max((time.perf_counter() - t0) / max(iters, 1))
 
 
 def make_runners(algos: List[str], dtype: str):
@@ -168,7 +191,9 @@ def _horovod_runner():
     return (lambda buf: (lambda t=torch.from_numpy(buf): hvd.allreduce_(t, op=hvd.Sum))), hvd
 
 
-def measure(runners, sizes, dtype, args, records):
+def measure(runners, sizes, dtype, args, records, on_size: Callable[[List[dict]], None] = lambda rows: None):
+    """Time every runner at every size; append one record per (algo, size) to ``records`` and
+    hand each size's records to ``on_size`` as soon as they are measured."""
     n = comm.size()
     names = list(runners)
     for nbytes in sizes:
@@ -186,12 +211,17 @@ def measure(runners, sizes, dtype, args, records):
                 # auto's first calls of a size try each candidate (comm.tuning): learning, as
                 # in a job's first steps, not its steady speed — warm it up before timing
                 timed(runners[algo](buf), 0, tuning.LEARNING_CALLS)
+        calls = {}
+        for algo in names:
+            buf.fill(1)
+            calls[algo] = capped_iterations(iters, args.warmup, args.repeats, call_seconds(runners[algo](buf)),
+                                            args.max_seconds)
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for algo in order:
                 buf.fill(1)
                 before = comm.tuned_counts(nbytes) if algo.startswith("auto") else {}
-                times[algo].append(timed(runners[algo](buf), iters, args.warmup))
+                times[algo].append(timed(runners[algo](buf), calls[algo], args.warmup))
                 if algo.startswith("auto"):
                     for name, calls in comm.tuned_counts(nbytes).items():
                         tuned[algo][name] = tuned[algo].get(name, 0) + calls - before.get(name, 0)
@@ -199,15 +229,19 @@ def measure(runners, sizes, dtype, args, records):
             if algo.startswith("auto"):
                 fixed = comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc", dtype=dtype)
                 chosen[algo] = comm.broadcast_object(chosen_label(fixed, tuned[algo]))
+        rows = []
         for algo in names:
             t = statistics.median(times[algo])
             algbw = count * np.dtype(dtype).itemsize / t / 1e9
-            records.append({
-                "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype, "iters": iters,
+            rows.append({
+                "algo": algo, "bytes": int(count * np.dtype(dtype).itemsize), "ranks": n, "dtype": dtype,
+                "iters": calls[algo],
                 "time_s": t, "time_min_s": min(times[algo]), "time_max_s": max(times[algo]),
                 "algbw_GBps": algbw, "busbw_GBps": algbw * busbw_factor(n),
                 "chosen": chosen[algo],
             })
+        records.extend(rows)
+        on_size(rows)
 
 
 def chosen_label(fixed: str, counts: Dict[str, int]) -> str:
@@ -245,18 +279,31 @@ def ratios_against(records: List[dict], competitor: str) -> Dict[tuple, float]:
     return {(r["algo"], r["bytes"]): theirs[r["bytes"]] / r["time_s"] for r in records if r["bytes"] in theirs}
 
 
-def print_table(records: List[dict], out=sys.stdout) -> None:
-    ref = reference_times(records)
-    vs = {c: ratios_against(records, c) for c in ("gloo", "horovod") if any(r["algo"] == c for r in records)}
+def print_header(competitors: List[str], out=sys.stdout) -> None:
     print(f"{'size':>8} {'algo':>30} {'time_us':>10} {'spread_us':>15} {'algbw':>7} {'busbw':>7} "
-          f"{'x_best_mpi':>10}" + "".join(f" {'x_' + c:>9}" for c in vs), file=out)
-    for r in records:
+          f"{'x_best_mpi':>10}" + "".join(f" {'x_' + c:>9}" for c in competitors), file=out, flush=True)
+
+
+def print_rows(rows: List[dict], records: List[dict], competitors: List[str], out=sys.stdout) -> None:
+    """``rows`` (one size's records) against the references and ``competitors`` found in ``records``."""
+    ref = reference_times(records)
+    vs = {c: ratios_against(records, c) for c in competitors}
+    for r in rows:
         ratio = ref[r["bytes"]] / r["time_s"] if r["bytes"] in ref else float("nan")
         spread = f"{r['time_min_s'] * 1e6:.0f}-{r['time_max_s'] * 1e6:.0f}"
         algo = r["algo"] + (f"({r['chosen']})" if r["algo"].startswith("auto") else "")
-        others = "".join(f" {vs[c].get((r['algo'], r['bytes']), float('nan')):>9.2f}" for c in vs)
+        others = "".join(f" {vs[c].get((r['algo'], r['bytes']), float('nan')):>9.2f}" for c in competitors)
         print(f"{format_size(r['bytes']):>8} {algo:>30} {r['time_s'] * 1e6:>10.1f} {spread:>15} "
-              f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>10.2f}{others}", file=out)
+              f"{r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {ratio:>10.2f}{others}", file=out, flush=True)
+
+
+def print_versus(records: List[dict], competitor: str, out=sys.stdout) -> None:
+    """After a competitor measured in its own phase: every other row's ratio against it."""
+    vs = ratios_against(records, competitor)
+    print(f"against {competitor} (its time / this one's; >1: faster than {competitor}):", file=out)
+    for r in records:
+        if r["algo"] != competitor and (r["algo"], r["bytes"]) in vs:
+            print(f"{format_size(r['bytes']):>8} {r['algo']:>30} {vs[(r['algo'], r['bytes'])]:>9.2f}", file=out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,24 +314,31 @@ def run(args: argparse.Namespace) -> int:
     comm.set_checks(args.check)
     records: List[dict] = []
     layout = layout_line()
-    measure(make_runners(algos, args.dtype), sizes, args.dtype, args, records)
+    runners = make_runners(algos, args.dtype)
+    competitors = ["gloo"] if "gloo" in runners else []
+    lead = comm.rank() == 0
+    if lead:
+        print(f"hpctrain bench allreduce: {layout}; dtype={args.dtype} iters>={args.iters} (more for small messages, "
+              f"fewer where a cell would pass --max-seconds={args.max_seconds:g}) warmup={args.warmup} "
+              f"repeats={args.repeats} agreement-check={'on' if args.check else 'off'}", flush=True)
+        print_header(competitors)
+    # each size's rows print as soon as they are measured: across nodes a run takes minutes
+    show = (lambda rows: print_rows(rows, records, competitors)) if lead else (lambda rows: None)
+    measure(runners, sizes, args.dtype, args, records, show)
     if "horovod" in algos:
         runner, hvd = _horovod_runner()
         if runner is not None:
-            measure({"horovod": runner}, sizes, args.dtype, args, records)
+            measure({"horovod": runner}, sizes, args.dtype, args, records, show)
             hvd.shutdown()
-        elif comm.rank() == 0:
+            if lead:
+                print_versus(records, "horovod")
+        elif lead:
             print("horovod: not importable, skipped (build it with benchmarks/build_horovod.sh)")
     comm.set_checks(was_checking)
-    if comm.rank() == 0:
-        print(f"hpctrain bench allreduce: {layout}; dtype={args.dtype} iters>={args.iters} (more for small messages) "
-              f"warmup={args.warmup} repeats={args.repeats} agreement-check={'on' if args.check else 'off'}")
-        records.sort(key=lambda r: (r["bytes"], algos.index(r["algo"]) if r["algo"] in algos else 99))
-        print_table(records)
-        if args.json:
-            for r in records:
-                r["layout"] = layout
-            with open(args.json, "w") as f:
-                json.dump(records, f, indent=1)
-            print(f"wrote {args.json}")
+    if lead and args.json:
+        for r in records:
+            r["layout"] = layout
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {args.json}")
     return 0

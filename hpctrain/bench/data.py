@@ -1,6 +1,9 @@
-"""HDF5 loader benchmark: hpctrain's loader against (a) a raw sequential read of the same
-bytes in 64 MiB slabs -- the limit -- and (b) naive per-sample ``dset[i]``, uncompressed and
-lzf-compressed, in one run.
+"""HDF5 loader benchmark: hpctrain's loader against (a) h5py's own sequential read of the same
+file in 64 MiB slabs (``read_direct``; HDF5 decodes any filter) -- the limit -- and (b) naive
+per-sample ``dset[i]``, for each of --compressions (default uncompressed and lzf; also gzip
+and hdf5plugin's blosc-lz4, blosc-zstd, bitshuffle-lz4, lz4, zstd), in one run. With
+--pack-bytes, also ``pack``'s throughput (MB/s of input) on generated ``.npy`` inputs of that
+size (``--compressions ''`` skips the read benchmark).
 
 A file of --size bytes (x: float32 rows of --features values, y: int64 labels; chunks of
 --chunk-rows rows) is generated once per compression under --dir and reused. Before timing,
@@ -23,6 +26,7 @@ all ranks) per GB delivered: the cost per byte, steadier than samples/s on a bus
 Targets: loader >= 90% of the raw slab rate, >= 20x naive dset[i].
 
   hpctrain bench data --size 1GiB
+  hpctrain bench data --size 1GiB --compressions bitshuffle-lz4,blosc-lz4,zstd --pack-bytes 1GiB
   hpctrain launch -n 2 -- hpctrain bench data --size 1GiB --json data.json
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 from typing import Callable, Dict, List, Tuple
 
 from hpctrain import settings
-from hpctrain.data.benchio import bench_file, file_stats, naive_read, raw_read
+from hpctrain.data.benchio import COMPRESSIONS, bench_file, file_stats, naive_read, pack_rate, raw_read
 
 DEFAULT_DIR = "/tmp/hpctrain-bench-data"
 TARGET_RAW = 0.90
@@ -57,10 +61,24 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def compressions(text: str) -> List[str]:
+    """``--compressions``: a comma list of :data:`COMPRESSIONS` names, as an argparse type."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in COMPRESSIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown compression {bad[0]!r}; expected {', '.join(COMPRESSIONS)}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="file size (default 1GiB)")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"where the generated files live (default {DEFAULT_DIR})")
-    p.add_argument("--compressions", default="none,lzf", help="comma list of none, lzf, gzip (default none,lzf)")
+    p.add_argument("--compressions", type=compressions, default="none,lzf",
+                   help=f"comma list of {', '.join(COMPRESSIONS)} (default none,lzf; '' for none at all)")
+    p.add_argument("--pack-bytes", type=parse_size, default=0, metavar="SIZE",
+                   help="also time `hpctrain data pack` on generated .npy inputs of SIZE (e.g. 1GiB; default: skip)")
+    p.add_argument("--pack-compression", choices=["none", "lzf", "gzip"], default="none",
+                   help="compression of the packed file (default none)")
     p.add_argument("--features", type=int, default=256, help="float32 values per sample (default 256 = 1 KiB)")
     p.add_argument("--chunk-rows", type=int, default=1024, help="samples per HDF5 chunk (default 1024)")
     p.add_argument("--batch-size", type=int, default=512, help="loader batch size per rank (default 512)")
@@ -135,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
     world = World()
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.rank == 0 else (lambda *a: None)
-    comps = [c.strip() for c in args.compressions.split(",") if c.strip()]
+    comps = args.compressions if isinstance(args.compressions, list) else compressions(args.compressions)
     row_bytes = args.features * 4 + 8
     records: List[Dict] = []
     for comp in comps:
@@ -177,11 +195,20 @@ def run(args: argparse.Namespace) -> int:
                 "storage_bytes": int(storage), "batch_size": args.batch_size,
             })
         log(f"[{comp}] loader {loader:,.0f} samples/s = {loader / raw:.0%} of raw, {loader / naive:.0f}x naive")
+    packed = None
+    if args.pack_bytes and world.rank == 0:
+        log(f"[pack] {args.pack_bytes / 2**20:.0f} MiB of .npy inputs under {args.dir}")
+        packed = pack_rate(args.dir, args.pack_bytes, args.features, args.pack_compression)
     if world.rank != 0:
         return 0
-    print(render(records, args))
+    if records:
+        print(render(records, args))
+    if packed:
+        print(f"\npack: {packed['input_bytes'] / 2**20:,.0f} MiB of .npy inputs (--x/--y, compression "
+              f"{packed['compression']}) in {packed['seconds']:.2f} s = {packed['MB_per_s']:,.0f} MB/s")
     if args.json:
-        text = json.dumps({"records": records, "targets": {"vs_raw": TARGET_RAW, "vs_naive": TARGET_NAIVE}}, indent=2)
+        text = json.dumps({"records": records, "pack": packed,
+                           "targets": {"vs_raw": TARGET_RAW, "vs_naive": TARGET_NAIVE}}, indent=2)
         if args.json == "-":
             print(text)
         else:
@@ -195,7 +222,7 @@ def render(records: List[Dict], args: argparse.Namespace) -> str:
             f"({records[0]['samples'] * (args.features * 4 + 8) / 2**30:.2f} GiB), chunks of {args.chunk_rows} "
             f"rows, batch {args.batch_size}, {records[0]['ranks']} rank(s), page cache warm; "
             f"median of {args.repeats}")
-    lines = [head, "",
+    lines = [head, f"({RAW!r}: h5py's read_direct of 64 MiB slabs of the same file, HDF5 decoding the filters)", "",
              "| compression | method | samples/s | MB/s | vs raw slabs | vs dset[i] | CPU s/GB | raw's CPU/GB ÷ this |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in records:

@@ -13,12 +13,14 @@ BENCHES = {
     "train": "training step time vs plain PyTorch, DDP-Gloo and Horovod",
     "data": "HDF5 loader vs raw slab reads and per-sample indexing",
     "pipeline": "pipeline-parallel throughput vs micro-batch count",
+    "calibrate": "measure a config's compute and links: the profile `hpctrain plan` reads",
 }
 
 EPILOG = """examples:
   hpctrain launch -n 2 -- hpctrain bench allreduce --sizes 1KiB,1MiB,64MiB --json out.json
   mpiexec -n 2 hpctrain bench train
   hpctrain bench data --size 1GiB
+  mpiexec -n 2 hpctrain bench calibrate config.yaml --out profile.json
 """
 
 

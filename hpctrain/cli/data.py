@@ -45,6 +45,8 @@ def add_verbs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--y", nargs="+", default=[], metavar="FILE", help="files (one array each) concatenated "
                    "into key 'y', recorded as the target role")
     p.add_argument("--keys", help="HDF5/netCDF inputs: comma-separated datasets to take (nested paths allowed)")
+    p.add_argument("--roles", metavar="x=KEY,y=KEY", help="record these keys as the input (x) and target (y) "
+                   "without renaming them, so a training config needs no data.keys (default: keys named x, y)")
     p.add_argument("-o", "--out", required=True, help="output .h5 file")
     p.add_argument("--key", help="dataset name for a single .npy input (default: its file stem)")
     p.add_argument("--label-column", help="CSV: header name or 0-based number of the label column (-> key 'y')")
@@ -106,13 +108,24 @@ def _keys(text: Optional[str]) -> Optional[List[str]]:
     return [k.strip() for k in text.split(",") if k.strip()] if text else None
 
 
+def _roles(text: Optional[str]) -> Optional[dict]:
+    """``--roles x=KEY,y=KEY`` as a mapping (checked by ``pack``)."""
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        role, sep, key = item.partition("=")
+        out[role.strip()] = key.strip() if sep else ""
+    return out
+
+
 def run_pack(args: argparse.Namespace) -> int:
     from hpctrain.data.pack import pack
 
     r = pack(args.inputs, args.out, key=args.key, label_column=args.label_column, csv_dtype=args.csv_dtype,
              compression=args.compression, compression_opts=args.compression_opts, shuffle_filter=args.shuffle,
              fletcher32=args.fletcher32, chunk_rows=args.chunk_rows, quiet=args.quiet, keys=_keys(args.keys),
-             x=args.x, y=args.y)
+             x=args.x, y=args.y, role_keys=_roles(args.roles))
     print(f"wrote {r.path}: {r.num_samples} samples, keys {', '.join(r.keys)}, {r.nbytes / 2**20:.1f} MiB of data")
     return 0
 

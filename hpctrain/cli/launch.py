@@ -122,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    argv = [exe, "-n", str(args.np), *launcher_flags(exe), *command]
+    flags = launcher_flags(exe)
+    if flags:  # Open MPI: every process it starts, not only those that start MPI through hpctrain.comm,
+        # leaves out osc/ucx, which prints errors where UCX has no usable transport (workstations)
+        env.setdefault("OMPI_MCA_osc", "^ucx")
+    argv = [exe, "-n", str(args.np), *flags, *command]
     return run_forwarding_signals(argv, env)
 
 

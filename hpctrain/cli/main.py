@@ -16,7 +16,8 @@ from typing import List, Optional
 # the others.
 VERBS = {
     "launch": ("hpctrain.cli.launch", "run a command on N ranks with this machine's mpiexec"),
-    "bench": ("hpctrain.cli.bench", "benchmarks: allreduce, train, data, pipeline"),
+    "bench": ("hpctrain.cli.bench", "benchmarks: allreduce, train, data, pipeline, calibrate"),
+    "plan": ("hpctrain.cli.plan", "predict step time and efficiency on N nodes"),
     "probe": ("hpctrain.cli.probe", "show the hardware each rank sees; tune the batch size"),
     "data": ("hpctrain.cli.data", "HDF5 tools: pack, shard, inspect, verify, merge"),
     "slurm": ("hpctrain.cli.slurm", "sbatch templates: render, submit; status, logs, cancel"),

@@ -3,7 +3,8 @@ all-reduce, agreement checks and the stall watchdog. The only package that impor
 
 Nothing here initializes MPI at import; call ``init()``.
 """
-from .errors import CollectiveMismatchError, CommError, NotInitializedError, StallError, WorldSizeError
+from .errors import (CollectiveMismatchError, CommError, JoinedRanksError, NotInitializedError, StallError,
+                     WorldSizeError)
 from .guard import checks_enabled, set_checks
 from .plan import ALGORITHMS, parse_size
 from .world import (Group, abort_job, cross_rank, cross_size, hostname, init, is_initialized, local_rank,
@@ -29,10 +30,10 @@ def __getattr__(name):
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
-    "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async",
+    "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async", "grouped_adasum_",
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
-    "barrier", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "allreduce_route", "tuned_counts", "Handle",
+    "barrier", "join", "refuse", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "allreduce_route", "tuned_counts", "Handle",
     "synchronize_all", "cuda_support", "accept_device_buffers", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
-    "CollectiveMismatchError", "StallError", "NotInitializedError", "WorldSizeError",
+    "CollectiveMismatchError", "JoinedRanksError", "StallError", "NotInitializedError", "WorldSizeError",
 ]

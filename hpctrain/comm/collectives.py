@@ -6,6 +6,7 @@ caller's type. Blocking calls wait for queued async ones first, so order is kept
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -13,10 +14,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import settings
-from . import algorithms, asyncq, device, guard, plan, shmsync, tuning
+from . import algorithms, asyncq, device, guard, joining, plan, shmsync, tuning
 from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
 from .device import accept_device_buffers, cuda_support  # noqa: F401 - public through hpctrain.comm
-from .errors import CommError
+from .adasum import grouped_adasum_  # noqa: F401 - public through hpctrain.comm
+from .errors import CollectiveMismatchError, CommError
 from .world import Group, resolve, watchdog
 from .world import _state as _world_state
 
@@ -104,13 +106,33 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     pass the same shape and dtype (checked, unless the agreement check is off).
     """
     g = _sync_start(group)
-    if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto":
+    if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
         lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
         if lean.route is not None:
             out = np.array(x, order="C")  # private, contiguous and writable: the lean path takes it
-            _run_lean(g, out, op, lean)
+            try:
+                _run_lean(g, out, op, lean)
+            except CollectiveMismatchError as e:  # ranks may have joined (_after_mismatch)
+                return _after_mismatch(e, x, op, g, inplace=False)
             return out
     return _allreduce(x, op, algorithm, g, inplace=False)
+
+
+def _after_mismatch(error: CollectiveMismatchError, x: Any, op: str, g: Group, inplace: bool, shape=None) -> Any:
+    """An all-reduce whose agreement check failed: redone with the joined ranks adding zeros
+    when that is why (joining.py); otherwise ``error`` is raised."""
+    if not joining.ranks_joined(g, error):
+        raise error
+    return _joined_allreduce(x, op, g, inplace, shape, agreed=True)
+
+
+def _joined_allreduce(x: Any, op: str, g: Group, inplace: bool, shape=None, agreed: bool = False) -> Any:
+    """The all-reduce while ranks of ``g`` have joined: over MPI, the joined ranks adding zeros."""
+    check_op(op)
+    flat = flatten(x, writable=inplace, what="allreduce")
+    out = flat.array if inplace else flat.array.copy()
+    joining.allreduce_(g, out, op, flat.dtype_name, flat.shape if shape is None else shape, watchdog(), agreed)
+    return x if inplace else rebuild(flat, out)
 
 
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
@@ -118,47 +140,55 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
     g = _world_state["world"] if group is None else group
     # The lean path: auto (no override) on a numpy array, with as little Python as possible. Its
     # route comes from the group's cache of _route's decisions (_lean); a flag exchange runs
-    # right here, since at 1 KiB a helper's Python costs more than the exchange itself.
-    if type(g) is Group and algorithm == "auto" and type(x) is np.ndarray and _ENV_CHOICE["value"] == "auto":
-        if _ASYNC.started:
-            asyncq.drain()
-        lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
-        if lean.flags:
-            g.seq += 1
-            header = _PACK(g.seq, 0, lean.red, lean.code, x.size if x.ndim == 1 else guard.count_word(
-                x.shape, x.size), _SHM, 0, 0) if _CHECKS.on else None  # _flag_header, inlined
-            dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
-            try:
-                status = g.node_flags.ctx.exchange(header, x, lean.code, lean.kop, dog.timeout)
-            except (BufferError, ValueError):  # numpy: not C-contiguous / read-only; the general
-                g.seq -= 1                     # path says what to do (the exchange refused the
-                status = -1                    # buffer before it touched a flag)
-            if status == 0:
+    # right here, since at 1 KiB a helper's Python costs more than the exchange itself. While
+    # ranks have joined it is skipped; a failed agreement check may mean that ranks have just
+    # joined (_after_mismatch; try costs nothing).
+    try:
+        if (type(g) is Group and algorithm == "auto" and type(x) is np.ndarray and _ENV_CHOICE["value"] == "auto"
+                and not g.joined):
+            if _ASYNC.started:
+                asyncq.drain()
+            lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            if lean.flags:
+                g.seq += 1
+                header = _PACK(g.seq, 0, lean.red, lean.code, x.size if x.ndim == 1 else guard.count_word(
+                    x.shape, x.size), _SHM, 0, 0) if _CHECKS.on else None  # _flag_header, inlined
+                dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
+                try:
+                    status = g.node_flags.ctx.exchange(header, x, lean.code, lean.kop, dog.timeout)
+                except (BufferError, ValueError):  # numpy: not C-contiguous / read-only; the general
+                    g.seq -= 1                     # path says what to do (the exchange refused the
+                    status = -1                    # buffer before it touched a flag)
+                if status == 0:
+                    return x
+                if status > 0:
+                    _exchange_failed(g, x, op, status, dog)
+                    return x
+            elif lean.route is not None and _run_lean(g, x, op, lean):
                 return x
-            if status > 0:
-                _exchange_failed(g, x, op, status, dog)
+            return _allreduce(x, op, algorithm, g, inplace=True)
+        g = _sync_start(group)
+        if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
+            lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            if lean.route is not None and _run_lean(g, x, op, lean):
                 return x
-        elif lean.route is not None and _run_lean(g, x, op, lean):
-            return x
-        return _allreduce(x, op, algorithm, g, inplace=True)
-    g = _sync_start(group)
-    if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto":
-        lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
-        if lean.route is not None and _run_lean(g, x, op, lean):
-            return x
+    except CollectiveMismatchError as e:
+        return _after_mismatch(e, x, op, g, inplace=True)
     return _allreduce(x, op, algorithm, g, inplace=True)
 
 
 def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,
-                    inplace: bool = False) -> asyncq.Handle:
-    """Start an all-reduce on the background thread; ``handle.wait()`` returns the result."""
+                    inplace: bool = False, agree_on=None) -> asyncq.Handle:
+    """Start an all-reduce on the background thread; ``handle.wait()`` returns the result.
+    ``agree_on``: what the agreement check compares instead of the shape (``guard.named_shape``:
+    the ranks' calls must also carry the same name)."""
     g = resolve(group)
     check_op(op)
     if device.on_device(x):
         device.ready(x)  # the caller's stream: the worker thread has its own
     else:
         flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
-    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace))
+    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on))
 
 
 _FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
@@ -228,8 +258,19 @@ def _run_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> bool:
 
 
 def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
-    """The general all-reduce: check, route, execute. ``shape``: what the ranks agree on, when
-    not ``x``'s own (a grouped call's list of shapes)."""
+    """The general all-reduce; ``shape``: what the ranks agree on, when not ``x``'s own (a
+    grouped call's list of shapes, or ``guard.named_shape``). While ranks have joined, or when
+    the agreement check finds that they just did, the joined ranks add zeros (joining.py)."""
+    if g.joined:
+        return _joined_allreduce(x, op, g, inplace, shape)
+    try:
+        return _allreduce_now(x, op, algorithm, g, inplace, shape)
+    except CollectiveMismatchError as e:
+        return _after_mismatch(e, x, op, g, inplace, shape)
+
+
+def _allreduce_now(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
+    """Check, route, execute."""
     check_op(op)
     if device.on_device(x):  # MPI reads device memory itself: its own collective, no host kernels
         return device.allreduce(g, x, op, inplace)
@@ -408,12 +449,25 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
         _check_reducible(op, name, arrays[0])
     nbytes = sum(a.nbytes for a in arrays)
     shape = guard.grouped_shape([f.shape for f in flats])
-    route = _route(g, nbytes, name, requested_algorithm("auto"), False)
-    if route.kind in ("piped", "tuned"):  # streamed (or fused by the tuned path) where they lie
-        _execute(g, route, arrays, arrays, op, name, shape)
-        return list(xs)
+    route = None if g.joined else _route(g, nbytes, name, requested_algorithm("auto"), False)
+    agreed = False
+    if route is not None:
+        try:
+            if route.kind in ("piped", "tuned"):  # streamed (or fused by the tuned path) where they lie
+                _execute(g, route, arrays, arrays, op, name, shape)
+                return list(xs)
+            concat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.float32)
+            _execute(g, route, concat, concat, op, name, shape)
+            _scatter_back(concat, arrays)
+            return list(xs)
+        except CollectiveMismatchError as e:
+            if not joining.ranks_joined(g, e):
+                raise
+            agreed = True  # ranks have joined: redo below, the joined ranks adding zeros
+    # ranks have joined: over MPI, the joined ranks adding zeros (the arrays are as they were:
+    # a failed agreement check comes before any data moves)
     concat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.float32)
-    _execute(g, route, concat, concat, op, name, shape)
+    joining.allreduce_(g, concat, op, name, shape, watchdog(), agreed)
     _scatter_back(concat, arrays)
     return list(xs)
 
@@ -470,11 +524,23 @@ def _find_shared(g: Group, arr: np.ndarray):
 
 
 # --------------------------------------------------------------------------- gather / scatter
+def _refused_while_joined(fn):
+    """Collectives other than all-reduces raise JoinedRanksError while ranks have joined."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CollectiveMismatchError as e:
+            raise joining.refusal(e, fn.__name__)
+    return call
+
+
 def _rows(flat: Flat) -> Tuple[int, tuple]:
     shape = flat.shape or (1,)
     return shape[0], tuple(shape[1:])
 
 
+@_refused_while_joined
 def allgather(x: Any, group: Optional[Group] = None) -> Any:
     """Concatenate every rank's ``x`` along dimension 0 (dimension 0 may differ per rank;
     the other dimensions and the dtype must agree)."""
@@ -497,6 +563,7 @@ def allgather(x: Any, group: Optional[Group] = None) -> Any:
     return rebuild(flat, out, (int(counts.sum()), *rest))
 
 
+@_refused_while_joined
 def broadcast(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
     """Return a copy of root's ``x`` on every rank (every rank passes the same shape)."""
     g = _sync_start(group)
@@ -509,6 +576,7 @@ def broadcast(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
     return rebuild(flat, out)
 
 
+@_refused_while_joined
 def broadcast_(x: Any, root: int = 0, group: Optional[Group] = None) -> Any:
     """Overwrite ``x`` with root's ``x`` on every rank; returns ``x``."""
     g = _sync_start(group)
@@ -531,6 +599,7 @@ def _broadcast_flat(g: Group, flat: Flat, out: np.ndarray, root: int) -> None:
             g.comm.Bcast(out.view(np.uint8), root=root)
 
 
+@_refused_while_joined
 def reduce_scatter(x: Any, op: str = "sum", group: Optional[Group] = None) -> Any:
     """Reduce ``x`` over ranks and return this rank's rows of dimension 0 (rows split as
     evenly as possible, the first ranks getting one more)."""
@@ -563,6 +632,7 @@ def reduce_scatter(x: Any, op: str = "sum", group: Optional[Group] = None) -> An
     return rebuild(flat, out, (b - a, *rest))
 
 
+@_refused_while_joined
 def alltoall(x: Any, splits: Optional[Sequence[int]] = None, group: Optional[Group] = None) -> Tuple[Any, np.ndarray]:
     """Send rows ``splits[i]`` of ``x`` (dimension 0, in order) to rank i; return the rows
     received (concatenated in rank order) and how many came from each rank."""
@@ -588,6 +658,7 @@ def alltoall(x: Any, splits: Optional[Sequence[int]] = None, group: Optional[Gro
 
 
 # --------------------------------------------------------------------------- objects, barrier
+@_refused_while_joined
 def broadcast_object(obj: Any, root: int = 0, group: Optional[Group] = None) -> Any:
     """Root's picklable ``obj`` on every rank."""
     g = _sync_start(group)
@@ -599,6 +670,7 @@ def broadcast_object(obj: Any, root: int = 0, group: Optional[Group] = None) -> 
         return g.comm.bcast(obj, root=root)
 
 
+@_refused_while_joined
 def allgather_object(obj: Any, group: Optional[Group] = None) -> List[Any]:
     """Every rank's picklable ``obj``, as a list in rank order."""
     g = _sync_start(group)
@@ -609,6 +681,7 @@ def allgather_object(obj: Any, group: Optional[Group] = None) -> List[Any]:
         return g.comm.allgather(obj)
 
 
+@_refused_while_joined
 def barrier(group: Optional[Group] = None) -> None:
     """Wait until every rank of ``group`` arrives."""
     g = _sync_start(group)
@@ -617,6 +690,28 @@ def barrier(group: Optional[Group] = None) -> None:
     guard.agree(g, header, dog)
     with dog.watch(lambda: guard.describe_header(header) + f" on {g.name}", _all_ranks(g)):
         g.comm.Barrier()
+
+
+def join(group: Optional[Group] = None) -> int:
+    """Horovod's join: until every rank of ``group`` has called it, take part in the other
+    ranks' all-reduces with zeros (``joining.py``); return the group rank that joined last."""
+    g = _sync_start(group)
+    return joining.join(g, watchdog())
+
+
+def refuse(group: Optional[Group] = None) -> None:
+    """Stand for a call this rank refused (its arguments were wrong): enter the collective the
+    other ranks of ``group`` are in with an ``invalid_call`` header, so that their agreement
+    check fails (CollectiveMismatchError naming this rank) and nobody waits for a collective
+    this rank will not run. The caller then raises its own error. Without the agreement check
+    (HPCTRAIN_CHECK_COLLECTIVES=0) this does nothing."""
+    g = _sync_start(group)
+    if g.size == 1 or not guard.checks_enabled():
+        return
+    try:
+        guard.agree(g, guard.make_header(0, "invalid_call"), watchdog())
+    except CollectiveMismatchError:
+        pass  # the expected outcome: the others' call failed as well
 
 
 # --------------------------------------------------------------------------- point to point

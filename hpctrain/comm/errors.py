@@ -14,7 +14,20 @@ class WorldSizeError(CommError):
 
 
 class CollectiveMismatchError(CommError):
-    """Ranks entered the same collective with different shapes, dtypes, ops or algorithms."""
+    """Ranks entered the same collective with different shapes, dtypes, ops or algorithms.
+
+    ``headers``: every rank's agreement header (the same array on every rank), when the
+    agreement check found the mismatch; ``hpctrain.comm.joining`` reads joined ranks from it."""
+
+    def __init__(self, message: str, headers=None, group=None) -> None:
+        super().__init__(message)
+        self.headers = headers
+        self.group = group
+
+
+class JoinedRanksError(CollectiveMismatchError):
+    """A collective other than an all-reduce was called while some ranks had joined
+    (``hpctrain.comm.join``): they take part in all-reduces only, as in Horovod."""
 
 
 class StallError(CommError):

@@ -45,7 +45,7 @@ class Checks:
 CHECKS = Checks()
 
 _OP_NAMES = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
-             "broadcast_object", "allgather_object", "grouped_allreduce"]
+             "broadcast_object", "allgather_object", "grouped_allreduce", "adasum", "join", "invalid_call"]
 _RED_NAMES = ["-", *OPS]
 _ALGO_NAMES = ["-", *ALGORITHMS]
 _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
@@ -134,7 +134,15 @@ def _shape_of_word(word: int) -> int:
     return word >> _COUNT_BITS if word >= 0 else 0
 
 
+def named_shape(name: str, shape) -> tuple:
+    """What the ranks agree on for a collective called ``name`` (Horovod matches by name):
+    the name folded into the header's shape code with the shape."""
+    return ("named", str(name), plain_shape(shape))
+
+
 def _show_shape(shape) -> str:
+    if shape and shape[0] == "named":
+        return f"{_show_shape(shape[2])} named {shape[1]!r}"
     if shape and shape[0] == "grouped":
         return "shapes [" + ", ".join(str(s) for s in shape[1:]) + "]"
     return f"shape {tuple(shape)}"
@@ -149,6 +157,8 @@ def make_header(seq: int, op: str, reduction: str = "-", dtype: str = "", count:
 def describe_header(h: Sequence[int], shape=None) -> str:
     """One call, as its header shows it; ``shape``: that rank's shape, when known."""
     seq, op, red, dt, word, algo, extra = (int(v) for v in h)
+    if _OP_NAMES[op] == "invalid_call":
+        return f"a call whose arguments it refused (its own error says why) [collective #{seq}]"
     parts = []
     if red > 0:
         parts.append(_RED_NAMES[red])
@@ -224,7 +234,7 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
         if not ok:
             for r in range(1, group.size):
                 comm.send(headers, dest=r, tag=_TAG_MESSAGE)
-            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what))
+            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
     else:
         comm.Send(header, dest=0, tag=_TAG_HEADER)
         verdict = np.empty(1, dtype=np.int64)
@@ -235,7 +245,7 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
             if verdict[0] != 0:
                 headers = comm.recv(source=0, tag=_TAG_MESSAGE)
         if verdict[0] != 0:
-            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what))
+            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
 
 
 def plain_shape(shape):

@@ -179,7 +179,8 @@ class NodeFlags:
 
             headers = np.empty((self.size, 8), dtype=np.int64)
             self.ctx.headers(headers)
-            raise CollectiveMismatchError(mismatch_report(self.comm, headers[:, :HEADER_LEN], group, shape, dog, what))
+            headers = headers[:, :HEADER_LEN]
+            raise CollectiveMismatchError(mismatch_report(self.comm, headers, group, shape, dog, what), headers, group)
         dog.stalled(what, dog.timeout, describe(self.ctx.missing()))
 
     def free(self) -> None:

@@ -84,6 +84,10 @@ class Group:
         self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)
         # the lean all-reduce path's decisions, (nbytes, dtype, op) -> collectives._Lean (collectives._lean)
         self.lean_routes: dict = {}
+        # Ranks that called join() and now stand in for zeros in the others' all-reduces, in
+        # the order they joined (the same list on every rank: read from shared agreement
+        # headers); empty outside a join (comm/joining.py).
+        self.joined: List[int] = []
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:

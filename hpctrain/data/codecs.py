@@ -9,7 +9,9 @@ filter pipeline without holding the GIL for the byte work:
 * deflate/gzip (filter 1): CPython's :mod:`zlib`, which releases the GIL while inflating;
 * lzf (32000, h5py's own filter) and shuffle (2): the C extension ``hpctrain.data._codecs``.
 
-Anything else (fletcher32, szip, nbit, scaleoffset, blosc, ...) is not supported here:
+Filters that hdf5plugin provides (Blosc, Blosc2, bitshuffle, LZ4, Zstd, ...) are undone by
+the plugins' own filter functions, called without the GIL (:mod:`hpctrain.data.plugins`).
+Anything else (fletcher32, szip, nbit, scaleoffset, ...) is not supported here:
 :func:`codec_for` says why and the caller reads such datasets through h5py.
 
 Usage::
@@ -232,8 +234,9 @@ def _inflate(src: Any, expected: int) -> bytes:
     return data
 
 
-def codec_for(dset: Any) -> tuple[Optional[ChunkCodec], str]:
-    """The codec for an h5py dataset's stored chunks: ``(codec, "")``, or ``(None, reason)``
+def codec_for(dset: Any) -> tuple[Optional[Any], str]:
+    """The codec for an h5py dataset's stored chunks (a :class:`ChunkCodec`, or a
+    :class:`hpctrain.data.plugins.PluginCodec` for hdf5plugin's filters): ``(codec, "")``, or ``(None, reason)``
     when this module cannot decode them (not chunked, no filters, an unsupported filter, or
     the C extension not built) and the dataset must be read through h5py."""
     if dset.chunks is None:
@@ -246,6 +249,11 @@ def codec_for(dset: Any) -> tuple[Optional[ChunkCodec], str]:
             name = name.decode("ascii", "replace")
         filters.append(Filter(int(code), tuple(int(v) for v in cd_values), name.strip("\x00")))
     reason = unsupported_reason(filters, _codecs is not None)
+    itemsize = dset.id.get_type().get_size()
     if reason:
-        return None, reason
-    return ChunkCodec(filters, dset.chunks, dset.id.get_type().get_size()), ""
+        from hpctrain.data.plugins import PluginCodec, plugin_reason
+
+        if plugin_reason(filters):
+            return None, reason
+        return PluginCodec(filters, dset.chunks, itemsize), ""
+    return ChunkCodec(filters, dset.chunks, itemsize), ""

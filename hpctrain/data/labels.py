@@ -90,3 +90,26 @@ def label_summary(paths: Sequence[str], key: str, part: int = 0, parts: int = 1)
             if hi == lo:
                 found.append(LabelSummary(is_float=dset.dtype.kind in "fc"))
     return merge(found)
+
+
+def read_labels(paths: Sequence[str], key: str, counts: Sequence[int]) -> np.ndarray:
+    """The class codes (:func:`hpctrain.data.strata.class_codes`) of ``key`` over every file,
+    in global-index order; ``counts``: each file's sample count, which ``key`` must match."""
+    from hpctrain.data.errors import LengthMismatchError
+    from hpctrain.data.strata import class_codes
+
+    parts = []
+    for p, n in zip(paths, counts):
+        with open_h5(p) as f:
+            dset = get_dataset(f, key, p)
+            if int(dset.shape[0]) != int(n):
+                raise LengthMismatchError(f"has {dset.shape[0]} rows, the other keys {n} samples; expected one "
+                                          "label per sample", path=p, key=key,
+                                          hint="stratify by a per-sample label key (data.stratify)")
+            try:
+                parts.append(dset[()])
+            except Exception as exc:
+                raise read_error(exc, p, key, dset) from exc
+    values = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    shown = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    return class_codes(values, key, shown)

@@ -16,8 +16,9 @@ How it reads (the design that makes it fast):
    into plan order with ``numpy.take`` while it is still in the CPU cache -- hence the
    cache-sized default window. How the runs are read depends on the key:
    uncompressed keys with ``preadv`` straight from the file (:mod:`hpctrain.data.mapped`:
-   the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys as stored
-   chunks decoded here (:mod:`hpctrain.data.chunked`); anything else (other filters,
+   the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys and keys
+   compressed with hdf5plugin's filters (Blosc, bitshuffle/LZ4, Zstd, ...) as stored chunks
+   decoded here (:mod:`hpctrain.data.chunked`, :mod:`hpctrain.data.plugins`); anything else (other filters,
    ``memory_map=False``, files opened with ``mpio``) with one ``H5Dread`` per run. The
    ``preadv`` reads, chunk decodes and gathers are small GIL-free tasks that the prefetch
    thread and a waiting consumer run together (two cores decompress at once).
@@ -50,6 +51,7 @@ from hpctrain.data.h5files import (
     FileInfo, PathsArg, check_compatible, describe, expand_paths, has_mpio, in_file, open_h5, read_error,
 )
 from hpctrain.data.chunked import ChunkedKey, chunked_dataset
+from hpctrain.data.labels import read_labels
 from hpctrain.data.mapped import CopyJob, MappedKey, gather_tasks, map_dataset, open_map, take_tasks
 from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, locate, plan_epoch, read_runs
 
@@ -111,7 +113,9 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         paths: a file, directory, glob, or a list of those; files are one global index.
         keys: dataset names to load together (same sample count in a file).
         batch_size: samples per step per rank (``weighted``: the mean; see ``batch_size_here``).
-        policy: ``"contiguous"`` (default), ``"strided"`` or ``"weighted"``.
+        policy: ``"contiguous"`` (default), ``"strided"``, ``"weighted"`` or ``"stratified"``.
+        stratify: ``policy="stratified"``: the key holding each sample's integer class
+            (default ``"y"`` when it is among ``keys``); read once, when the loader is made.
         shuffle: ``True``/``"window"`` (default): block order shuffled per epoch, and samples
             shuffled in memory inside each window (one gather copy per batch);
             ``"block"``: block order only, samples of a block stay in file order and batches
@@ -144,6 +148,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         shuffle: Union[bool, str] = True,
         drop_last: bool = False,
         weights: Optional[Sequence[float]] = None,
+        stratify: Optional[str] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         dtypes: Optional[Mapping[str, Any]] = None,
@@ -205,6 +210,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         check_compatible(self.files, self.keys)
         self.counts = [f.num_samples for f in self.files]
         self.offsets = global_offsets(self.counts)
+        self.stratify, self.labels = self._labels(stratify)
         self.row_bytes = sum(self.files[0].keys[k].row_bytes for k in self.keys)
         # Blocks: whole chunks of the widest key, at least block_bytes long.
         self.block_rows = []
@@ -230,11 +236,24 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self._pid: Optional[int] = None
 
     # -- planning ---------------------------------------------------------------------
+    def _labels(self, stratify: Optional[str]) -> Tuple[Optional[str], Optional[np.ndarray]]:
+        """The stratify key and its class codes per global sample (``stratified`` only)."""
+        if self.policy != "stratified":
+            if stratify is not None:
+                raise ConfigError(f"stratify={stratify!r} is used only by policy 'stratified', not {self.policy!r}",
+                                  hint="pass policy='stratified' or drop stratify")
+            return None, None
+        key = stratify or ("y" if "y" in self.keys else None)
+        if key is None:
+            raise ConfigError(f"policy 'stratified' needs the label key to balance; keys {self.keys} have no 'y'",
+                              hint="pass stratify='<label key>'")
+        return key, read_labels(self.paths, key, self.counts)
+
     def _plan(self, epoch: int, window_steps: int = 0, window_order: str = "shuffle") -> RankPlan:
         return plan_epoch(self.counts, self.world_size, self.rank, self.batch_size, seed=self.seed,
                           epoch=epoch, policy=self.policy, drop_last=self.drop_last, shuffle=self.shuffle,
                           weights=self.weights, block_rows=self.block_rows, window_steps=window_steps,
-                          window_order=window_order)
+                          window_order=window_order, labels=self.labels)
 
     def plan(self, epoch: Optional[int] = None) -> RankPlan:
         """This rank's plan for ``epoch`` (default: the current one)."""
@@ -346,7 +365,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                         log.debug("data: %s[%s] read through HDF5 (in another file)", self.paths[i], key)
                         continue
                     found[key], why = map_dataset(dsets[key], mm)
-                    if found[key] is None and dsets[key].compression is not None:
+                    # Any filter: h5py names only its own (dset.compression), not hdf5plugin's.
+                    if found[key] is None and dsets[key].chunks is not None:
                         found[key], why = chunked_dataset(dsets[key], mm)
                     if found[key] is None:
                         log.debug("data: %s[%s] read through HDF5 (%s)", self.paths[i], key, why)

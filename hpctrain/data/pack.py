@@ -10,7 +10,7 @@ import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import h5py
 import numpy as np
@@ -273,6 +273,20 @@ def collect_arrays(sources: Sequence[str], *, key: Optional[str] = None, label_c
     return arrays, origin, extra
 
 
+def _roles_of(arrays: Mapping[str, np.ndarray], given: Mapping[str, str]) -> Dict[str, str]:
+    """The roles to record: keys named ``x``/``y``, replaced by the ones ``given``."""
+    for role, k in given.items():
+        if role not in ("x", "y"):
+            raise ConfigError(f"--roles: unknown role {role!r}; expected x (the input) and y (the target)",
+                              hint="pass --roles x=KEY,y=KEY")
+        if k not in arrays:
+            raise ConfigError(f"--roles: {role}={k!r} names no packed key; keys: {', '.join(arrays)}",
+                              hint="name one of the keys listed (nested paths as written, e.g. entry/data/data)")
+    found = {r: r for r in ("x", "y") if r in arrays}
+    found.update(given)
+    return found
+
+
 def _check_arrays(arrays: Dict[str, np.ndarray], origin: Dict[str, str]) -> int:
     """The common sample count, once every array is numeric, not a scalar, of one length."""
     if not arrays:
@@ -313,11 +327,13 @@ def pack(
     keys: Optional[Sequence[str]] = None,
     x: Sequence[str] = (),
     y: Sequence[str] = (),
+    role_keys: Optional[Mapping[str, str]] = None,
 ) -> PackResult:
     """Write ``sources`` (one sample per row along axis 0 of every array) to ``out``.
 
     The root attribute ``roles`` (JSON) records which key is the input ``x`` and which the
-    target ``y`` when known (``--x``/``--y``, or keys named ``x``/``y``): see :func:`roles`."""
+    target ``y`` when known (``--x``/``--y``, keys named ``x``/``y``, or ``role_keys`` such as
+    ``{"x": "entry/data/data", "y": "entry/data/label"}``): see :func:`roles`."""
     if not sources and not x and not y:
         raise ConfigError("nothing to pack", hint="example: hpctrain data pack digits --out digits.h5")
     if compression in (None, "none"):
@@ -330,9 +346,9 @@ def pack(
                           ".npy file's stem is its key", hint="use --x FILE... --y FILE... to give arrays roles")
     arrays, origin, extra = collect_arrays(sources, key=key, label_column=label_column, csv_dtype=csv_dtype,
                                            keys=keys, x=x, y=y)
-    extra["roles"] = json_attr({r: r for r in ("x", "y") if r in arrays})
     sources = list(sources) + list(x) + list(y)
     n = _check_arrays(arrays, origin)
+    extra["roles"] = json_attr(_roles_of(arrays, role_keys or {}))
     rows = int(chunk_rows or default_chunk_rows(arrays))
     rows = max(1, min(rows, n))
     filters: dict = {}

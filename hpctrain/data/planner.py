@@ -34,6 +34,15 @@ Policies:
     Like ``contiguous``, but rank r's share is proportional to ``weights[r]`` (e.g. measured
     samples/s on mixed nodes). Steps stay equal, so the per-rank batch size differs:
     ``RankPlan.batch_size`` is this rank's; the global batch stays ``world_size * batch_size``.
+``stratified``
+    Every rank's share holds the same class proportions: for every class, the ranks' counts
+    of it differ by at most one (``labels``: one class per global sample). The samples of
+    each class (shuffled per ``(seed, epoch)``, or in file order) are dealt round-robin to
+    the ranks, classes one after another, the deal continuing where the previous class
+    stopped (so the ranks' totals differ by at most one as well). With ``drop_last`` the
+    samples left out are taken from every class in proportion to its size, and each rank
+    gets exactly ``steps * batch_size``. A rank reads its samples in the ``contiguous``
+    policy's shuffled block order (ascending within a block), so a window covers few blocks.
 
 With ``window_steps > 0``, each rank's ids are also reordered inside windows of
 ``window_steps`` batches (the loader reads one window at a time): ``window_order="shuffle"``
@@ -55,7 +64,7 @@ import numpy as np
 
 from hpctrain.data.errors import ConfigError, TooFewSamplesError
 
-POLICIES = ("contiguous", "strided", "weighted")
+POLICIES = ("contiguous", "strided", "weighted", "stratified")
 
 
 def global_offsets(counts: Sequence[int]) -> np.ndarray:
@@ -151,7 +160,7 @@ def rank_batch_sizes(world_size: int, batch_size: int, policy: str,
 
 
 def _check_args(counts: Sequence[int], world_size: int, rank: int, batch_size: int,
-                policy: str, weights: Optional[Sequence[float]]) -> None:
+                policy: str, weights: Optional[Sequence[float]], labels: Optional[np.ndarray]) -> None:
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}",
                           hint="pick one of the policies listed")
@@ -166,6 +175,15 @@ def _check_args(counts: Sequence[int], world_size: int, rank: int, batch_size: i
     if weights is not None and policy != "weighted":
         raise ConfigError(f"weights are used only by policy 'weighted', not {policy!r}",
                           hint="pass policy='weighted' or drop the weights")
+    if policy == "stratified":
+        n = int(sum(int(c) for c in counts))
+        if labels is None or np.ndim(labels) != 1 or len(labels) != n:
+            got = "none" if labels is None else f"shape {np.shape(labels)}"
+            raise ConfigError(f"policy 'stratified' needs one class label per sample ({n}), got {got}",
+                              hint="pass labels= (one integer class per global sample)")
+    elif labels is not None:
+        raise ConfigError(f"labels are used only by policy 'stratified', not {policy!r}",
+                          hint="pass policy='stratified' or drop the labels")
 
 
 def _blocks(counts: Sequence[int], block_rows: Union[int, Sequence[int]]) -> np.ndarray:
@@ -222,6 +240,51 @@ def _contiguous(counts, world_size, rank, sizes, seed, epoch, drop_last, shuffle
     idx = own[np.arange(slots) % len(own)]
     mask = np.arange(slots) < len(own)
     return steps, idx, mask
+
+
+def _keep_proportional(order: np.ndarray, sorted_labels: np.ndarray, keep: int) -> np.ndarray:
+    """The first samples of each class of the class-sorted ``order``, ``keep`` in all, each
+    class contributing in proportion to its size (largest remainders)."""
+    starts = np.flatnonzero(np.concatenate(([True], sorted_labels[1:] != sorted_labels[:-1])))
+    sizes = np.diff(np.append(starts, len(order)))
+    take = apportion(keep, sizes)
+    return np.concatenate([order[a:a + t] for a, t in zip(starts.tolist(), take)])
+
+
+def _stratified(labels, counts, world_size, rank, batch_size, seed, epoch, drop_last, shuffle, block_rows):
+    n = len(labels)
+    g = world_size * batch_size
+    labels = np.asarray(labels)
+    if shuffle:
+        order = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0x57A7]).permutation(n)
+        by_class = np.argsort(labels[order], kind="stable")  # classes in turn, shuffled within each
+        order = order[by_class]
+    else:
+        order = np.argsort(labels, kind="stable")  # classes in turn, file order within each
+    if drop_last:
+        steps = n // g
+        # steps * g samples, so that the round-robin deal below gives every rank exactly
+        # steps * batch_size of them.
+        order = _keep_proportional(order, labels[order], steps * g)
+    else:
+        steps = -(-n // g)
+    # Position p of the class-sorted order goes to rank p % world_size: per class, and in total,
+    # the ranks' counts differ by at most one.
+    own = order[rank::world_size]
+    if shuffle:
+        blocks = _blocks(counts, block_rows)
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0xB10C])
+        place = np.empty(len(blocks), np.int64)
+        place[rng.permutation(len(blocks))] = np.arange(len(blocks), dtype=np.int64)
+        block_of = np.searchsorted(blocks[:, 0], own, side="right") - 1
+        own = own[np.lexsort((own, place[block_of]))]
+    else:
+        own = np.sort(own)
+    if drop_last:
+        return steps, own, np.ones(own.shape, np.bool_)
+    slots = steps * batch_size
+    idx = own[np.arange(slots) % len(own)]
+    return steps, idx, np.arange(slots) < len(own)
 
 
 def _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle):
@@ -297,15 +360,17 @@ def plan_epoch(
     block_rows: Union[int, Sequence[int]] = 1024,
     window_steps: int = 0,
     window_order: str = "shuffle",
+    labels: Optional[np.ndarray] = None,
 ) -> RankPlan:
     """This rank's samples for one epoch. See the module docstring for the policies.
 
     ``counts``: samples per file (global index = files concatenated). ``block_rows``: block
     length for ``contiguous``/``weighted`` (one int, or one per file: use the HDF5 chunk
-    length). Raises :class:`TooFewSamplesError` when ``sum(counts)`` is smaller than the
-    global batch, and :class:`ConfigError` for bad arguments.
+    length). ``labels``: for ``stratified`` only, one integer class per global sample (small
+    codes such as ``int16`` sort fastest). Raises :class:`TooFewSamplesError` when
+    ``sum(counts)`` is smaller than the global batch, and :class:`ConfigError` for bad arguments.
     """
-    _check_args(counts, world_size, rank, batch_size, policy, weights)
+    _check_args(counts, world_size, rank, batch_size, policy, weights, labels)
     n = int(sum(int(c) for c in counts))
     sizes = rank_batch_sizes(world_size, batch_size, policy, weights)
     g = sum(sizes)
@@ -316,6 +381,9 @@ def plan_epoch(
             hint=f"use batch_size <= {max(1, n // world_size)} or fewer ranks, or add data")
     if policy == "strided":
         steps, idx, mask = _strided(n, world_size, rank, batch_size, seed, epoch, drop_last, shuffle)
+    elif policy == "stratified":
+        steps, idx, mask = _stratified(labels, [int(c) for c in counts], world_size, rank, batch_size, seed,
+                                       epoch, drop_last, shuffle, block_rows)
     else:
         steps, idx, mask = _contiguous([int(c) for c in counts], world_size, rank, sizes, seed,
                                        epoch, drop_last, shuffle, block_rows)

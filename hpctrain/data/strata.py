@@ -13,7 +13,7 @@ class stopped, so the ``k``-th row dealt overall goes to shard ``k % S``.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -47,3 +47,30 @@ def runs_of(rows: np.ndarray) -> List[tuple]:
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [rows.size]])
     return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+def class_codes(values: np.ndarray, key: str = "?", path: Optional[str] = None) -> np.ndarray:
+    """One small integer code per sample for the labels ``values`` (the classes in sorted order
+    get codes 0, 1, ...), for the planner's ``stratified`` policy.
+
+    ``values``: one label per sample (shape ``(n,)`` or ``(n, 1)``) of whole numbers; a float
+    label is accepted when every value is whole. Raises :class:`DtypeError` otherwise."""
+    from hpctrain.data.errors import DtypeError
+
+    hint = "stratify by an integer class label (data.stratify: KEY; stratify=KEY), or use another policy"
+    v = np.asarray(values)
+    if v.ndim == 2 and v.shape[1] == 1:
+        v = v[:, 0]
+    if v.ndim != 1:
+        raise DtypeError(f"labels of shape {v.shape} are not one class per sample; expected shape (N,)",
+                         path=path, key=key, hint=hint)
+    if v.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(v) | (v != np.round(v)))
+        if bad.size:
+            raise DtypeError(f"labels are not whole numbers ({bad.size} of {v.size}, e.g. {float(v[bad[0]])!r} at sample "
+                             f"{int(bad[0])}); expected integer classes", path=path, key=key, hint=hint)
+    elif v.dtype.kind not in "biu":
+        raise DtypeError(f"labels of dtype {v.dtype} are not integer classes", path=path, key=key, hint=hint)
+    classes, codes = np.unique(v, return_inverse=True)
+    small = np.int16 if len(classes) < 2**15 else np.int64  # int16 sorts by radix: fastest
+    return codes.reshape(-1).astype(small)

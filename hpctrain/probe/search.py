@@ -275,6 +275,11 @@ class BatchSearch:
         else:
             self._model_steps_without_halving = 0
         self._last_width = width
+        if pred is not None and pred >= hi > lo + 1:
+            # The line overshoots a measured failure (noise, or memory growing faster near the
+            # limit): the crossing most likely lies just below that failure, so probe there; if
+            # the line is far off, the no-halving rule below turns to bisection within two steps.
+            pred = hi * (1.0 - cfg.tolerance / 3.0)
         if pred is None or lo == 0 or not lo < pred < hi or self._model_steps_without_halving >= 2:
             # No line, or one that contradicts what was measured, or one that stopped
             # helping: bisect.

@@ -5,12 +5,13 @@ new tensor, ``allreduce_`` works in place, ``*_async`` return a handle for ``syn
 ``poll``. Differences, all documented in docs/torch.md:
 
 - collectives are matched by submission order (every rank must issue the same collectives in
-  the same order), not by ``name=``; names serve messages, the timeline and the check that a
-  name is not submitted twice while pending.
-- ``op=Adasum`` raises NotImplementedError.
+  the same order), not by ``name=``; an explicit name is part of what the ranks of an
+  all-reduce or an ``*_async`` call agree on, so calls issued in different orders raise on
+  every rank.
+- ``op=Adasum`` runs Horovod's CPU Adasum over MPI (``adasum.py``) for every tensor's device.
 - ``init(comm=...)`` accepts only a communicator (or list of ranks) spanning every rank.
-- ``join()`` is a collective every rank must call; it does not let other ranks keep reducing
-  while a rank has joined.
+- ``join()`` needs the agreement check (on by default); with HPCTRAIN_CHECK_COLLECTIVES=0
+  it is a collective every rank calls.
 
 Gradients, integer scaling, ``root_rank`` (a global rank) and argument errors follow
 Horovod 0.28; tests/mpi/test_horovod_conformance.py checks each.
@@ -35,6 +36,7 @@ from .compression import Compression
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hpctrain.comm import asyncq
 from hpctrain.comm.errors import CollectiveMismatchError
+from hpctrain.comm.guard import named_shape
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -411,6 +413,28 @@ class _Mismatch(HorovodInternalError, CollectiveMismatchError):
 _pending_names: set = set()
 
 
+def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An all-reduce call whose arguments this rank refuses (ValueError, TypeError,
+    NotImplementedError before its collective ran) tells the set's other ranks through their
+    agreement check (``comm.refuse``): their call raises HorovodInternalError naming this rank
+    instead of waiting for it, and the next collective works, as in Horovod. A call refused on
+    every rank costs one agreement check. Nothing is added to a call that succeeds."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            if not getattr(err, "_hpctrain_refused", False) and comm.is_initialized():
+                err._hpctrain_refused = True  # type: ignore[attr-defined] - an outer call must not refuse again
+                ps = signature.bind_partial(*args, **kwargs).arguments.get("process_set") or global_process_set
+                if ps.included() and ps._registered:
+                    comm.refuse(None if ps.ranks is None else ps._group)
+            raise
+    return call
+
+
 def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
     """Horovod refuses an operation under a name that is still pending. Here a name is pending
     from submission until its handle is synchronized, which is the same moment on every rank
@@ -450,11 +474,8 @@ def _resolve_op(average: Optional[bool], op: Optional[int]) -> ReduceOp:
     try:
         op = ReduceOp(int(op))
     except ValueError:
-        raise ValueError(f"unknown reduction op {op!r}; expected one of hvd.Average, Sum, Min, Max, Product") from None
-    if op == ReduceOp.Adasum:
-        raise NotImplementedError(
-            "op=hvd.Adasum is not implemented in hpctrain.\n"
-            "HINT: use op=hvd.Average (the default) and scale the learning rate with hvd.size()")
+        raise ValueError(f"unknown reduction op {op!r}; expected one of hvd.Average, Sum, Adasum, Min, Max, "
+                         "Product") from None
     return op
 
 
@@ -494,7 +515,11 @@ def _negotiate(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional
         err = e
     if ps.size() > 1:
         desc = agreement.describe(kind, tensors, **fields)
-        calls = comm.allgather_object((desc, None if err is None else f"{type(err).__name__}: {err}"), group=group)
+        try:
+            calls = comm.allgather_object((desc, None if err is None else f"{type(err).__name__}: {err}"),
+                                          group=group)
+        except CollectiveMismatchError as e:  # e.g. ranks have joined (hvd.join)
+            raise _Mismatch(f"{kind}: {e}") from e
         outcome = agreement.verdict(kind, calls, ps.rank())
         if outcome is not None and outcome[0] == "internal":
             raise HorovodInternalError(outcome[1])
@@ -513,11 +538,11 @@ def _submit(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[Pr
     try:
         checked = check()
     except (ValueError, TypeError, NotImplementedError):
-        _negotiate(kind, tensors, process_set, check, **fields)
+        _negotiate(kind, tensors, process_set, check, name=name, **fields)
         raise
 
-    def job() -> Any:
-        _negotiate(kind, tensors, process_set, lambda: checked, **fields)
+    def job() -> Any:  # the name is compared too: calls matched out of order raise on every rank
+        _negotiate(kind, tensors, process_set, lambda: checked, name=name, **fields)
         return run(checked)
 
     return Handle(asyncq.submit(name, job), None, name=name)
@@ -540,8 +565,15 @@ def _scale_(buf: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
-                     name: str) -> Handle:
-    """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor."""
+                     name: str, agree_name: Optional[str] = None) -> Handle:
+    """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor.
+    ``agree_name``: the caller's ``name=``, which the ranks' agreement check compares too (so
+    calls matched out of order by name raise on every rank instead of mixing tensors)."""
+    if op == ReduceOp.Adasum:
+        from . import adasum
+
+        return adasum.start([tensor], prescale, postscale, compression, process_set,
+                            None if out is None else [out], name, single=True)
     group = _group(process_set)
     n = _group_size(process_set)
     host, restore = staging.to_host(tensor)
@@ -559,7 +591,8 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
     by_scaling = op == ReduceOp.Average and (prescale != 1.0 or postscale != 1.0 or not _is_float(buf))
     _scale_(buf, prescale)
     comm_op = "sum" if by_scaling else _COMM_OPS[op]
-    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True)
+    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True,
+                                 agree_on=None if agree_name is None else named_shape(agree_name, tensor.shape))
 
     def finish(_: Any) -> torch.Tensor:
         _scale_(buf, postscale / n if by_scaling else postscale)
@@ -597,6 +630,7 @@ def _wants_grad(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Any = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -616,10 +650,11 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         out = _AllreduceFn.apply(wire, op, prescale_factor, postscale_factor, process_set, name or "allreduce")
         return compression.decompress(out, cctx)
     return _allreduce_start(tensor, op, prescale_factor, postscale_factor, compression, process_set,
-                            None, name or "allreduce").wait()
+                            None, name or "allreduce", name).wait()
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set,
@@ -629,10 +664,11 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     _check_tensor(tensor, "allreduce_async")
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
-                                                 compression, process_set, None, name or "allreduce"))
+                                                 compression, process_set, None, name or "allreduce", name))
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -641,6 +677,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
@@ -649,12 +686,18 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     _check_tensor(tensor, "allreduce_async_")
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
-                                                 Compression.none, process_set, tensor, name or "allreduce_"))
+                                                 Compression.none, process_set, tensor, name or "allreduce_", name))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
-                   compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str) -> Handle:
+                   compression: Any, process_set: Optional[ProcessSet], inplace: bool, name: str,
+                   agree_name: Optional[str] = None) -> Handle:
     tensors = [_check_tensor(t, "grouped_allreduce") for t in tensors]
+    if op == ReduceOp.Adasum:  # one exchange, each tensor with its own coefficients (Horovod's fused Adasum)
+        from . import adasum
+
+        return adasum.start(tensors, prescale, postscale, compression, process_set, tensors if inplace else None,
+                            name)
     # One fused buffer per dtype, in first-seen order (identical on every rank for identical input).
     order: List[torch.dtype] = []
     for t in tensors:
@@ -664,7 +707,8 @@ def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: floa
     for dtype in order:
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
-        parts.append((members, _allreduce_start(flat, op, prescale, postscale, compression, process_set, None, name)))
+        parts.append((members, _allreduce_start(flat, op, prescale, postscale, compression, process_set, None, name,
+                                                agree_name)))
 
     def finish(_: Any) -> List[torch.Tensor]:
         results: List[Optional[torch.Tensor]] = [None] * len(tensors)
@@ -718,6 +762,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = Compression.none, op: Optional[int] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -731,10 +776,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                                          name or "grouped_allreduce", *wires)
         return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
     return _grouped_start(tensors, op, prescale_factor, postscale_factor,
-                          compression, process_set, False, name or "grouped_allreduce").wait()
+                          compression, process_set, False, name or "grouped_allreduce", name).wait()
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[int] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -743,10 +789,12 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     _require_init("hvd.grouped_allreduce_async")
     op = _resolve_op(average, op)
     return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
-                                               Compression.none, process_set, False, name or "grouped_allreduce"))
+                                               Compression.none, process_set, False, name or "grouped_allreduce",
+                                               name))
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
@@ -755,6 +803,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 
 
 @_traced("ALLREDUCE")
+@_refused_everywhere
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[int] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -763,7 +812,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     _require_init("hvd.grouped_allreduce_async_")
     op = _resolve_op(average, op)
     return _named(name, lambda: _grouped_start(tensors, op, prescale_factor, postscale_factor,
-                                               Compression.none, process_set, True, name or "grouped_allreduce_"))
+                                               Compression.none, process_set, True, name or "grouped_allreduce_",
+                                               name))
 
 
 # --------------------------------------------------------------------------- allgather
@@ -1174,19 +1224,23 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
 
 # --------------------------------------------------------------------------- join, barrier
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join()``; return the rank that arrived last.
-
-    Unlike Horovod, ranks that joined do not take part in other ranks' later all-reduces: give
-    every rank the same number of batches (``DistributedSampler`` does) and call ``join()``
-    at the end on every rank.
-    """
+    """Horovod's join: until every rank has called ``join()``, this rank takes part in the
+    other ranks' all-reduces with zeros (so ``DistributedOptimizer`` steps on ranks with more
+    batches complete: Sum gives their sum, Average divides by ``size()``); other collectives
+    called meanwhile raise HorovodInternalError on the ranks that call them. Returns the rank
+    that joined last. ``device`` is accepted (tensors stand in on the host)."""
     _require_init("hvd.join")
-    arrived = comm.allgather_object(time.time())
-    return max(range(len(arrived)), key=lambda r: (arrived[r], r))
+    try:
+        return comm.join()
+    except CollectiveMismatchError as e:
+        raise _Mismatch(str(e)) from e
 
 
 @_traced("BARRIER")
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached the barrier."""
     _require_init("hvd.barrier")
-    comm.barrier(group=_group(process_set))
+    try:
+        comm.barrier(group=_group(process_set))
+    except CollectiveMismatchError as e:  # e.g. ranks have joined (hvd.join)
+        raise _Mismatch(f"barrier: {e}") from e

@@ -52,7 +52,8 @@ __all__ = ["DistributedOptimizer", "Allocator", "choose_overlap"]
 Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 _COMM_OP = {ReduceOp.Average: "avg", ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max",
-            ReduceOp.Product: "prod"}
+            ReduceOp.Product: "prod",
+            ReduceOp.Adasum: "sum"}  # Adasum here only on one rank (the identity); more: AdasumOptimizer
 _PS_TAG = 7301  # point-to-point tag of parameter-server gradient messages
 
 
@@ -109,6 +110,13 @@ def _process_set_group(process_set: Any) -> Optional["comm.Group"]:
                     f"{type(process_set).__name__}")
 
 
+def _is_adasum(op: Any) -> bool:
+    try:
+        return op is not None and int(op) == ReduceOp.Adasum
+    except (TypeError, ValueError):
+        return False
+
+
 class _BucketState:
     __slots__ = ("pending", "launched", "work", "wire", "ctx")
 
@@ -129,7 +137,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
       rank has the same parameters and in error messages. Default: ``allreduce.noname.<group>.<i>``.
     - ``compression``: ``Compression.none`` (default), ``.fp16`` or ``.bf16`` on the wire.
     - ``backward_passes_per_step``: backward passes summed locally before each all-reduce.
-    - ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``; ``Adasum`` raises.
+    - ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``, ``Adasum`` (on more
+      than one rank an ``AdasumOptimizer``: each rank steps, the weight deltas are combined).
     - ``gradient_predivide_factor``: with ``op=Average``, divide by this before the sum and by
       ``size/factor`` after it (helps fp16 range).
     - ``groups``: an int (split the parameters into that many fused groups) or lists of
@@ -156,6 +165,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     The returned object is a ``torch.optim.Optimizer``: ``param_groups``, ``state``,
     ``state_dict()``, LR schedulers work as on the wrapped optimizer (which it shares).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DistributedOptimizer":
+        # Horovod returns its delta optimizer for op=Adasum on more than one rank.
+        if cls is DistributedOptimizer and _is_adasum(kwargs.get("op", args[4] if len(args) > 4 else None)) \
+                and comm.is_initialized() and comm.size() > 1:
+            from .adasum_optimizer import AdasumOptimizer
+
+            cls = AdasumOptimizer
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -188,13 +206,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group = _process_set_group(process_set)
         self._rank, self._size = ((comm.rank(), comm.size()) if self._group is None
                                   else (self._group.rank, self._group.size))
+        backend_name = (backend or settings.rc.backend).lower()
         # Validate locally, then agree: a rank that rejects its arguments must not leave the
         # others waiting in the next collective, so every rank learns every rank's verdict.
-        local_error: Optional[BaseException] = None
+        local_error, specs, threshold, group_indices = self._check_arguments(
+            named_parameters, op, gradient_predivide_factor, backward_passes_per_step, backend_name, sync,
+            fusion_threshold, groups)
+        self._predivide = float(gradient_predivide_factor)
+        self.backward_passes_per_step = max(1, int(backward_passes_per_step))
+        self._compression = compression
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self._verify_across_ranks(local_error, specs, threshold, group_indices, backend_name, sync)
+        self._backend: Backend = get_backend(backend_name) if self._group is None else MPIBackend(self._group)
+        self.plan = bk.plan_buckets(specs, threshold, group_indices)
+
+        self._allocate_buckets(bucket_allocator, backend_name)
+        self._init_step_state(overlap)
+        if isinstance(self._strategy, AllReduce) and not self._passthrough:
+            self._register_hooks()
+        if self._rank == 0:
+            log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s, "
+                     "overlap=%s", len(self._params), len(self.plan.buckets), threshold, self._strategy.name,
+                     self._backend.name, self._overlap)
+
+    def _check_arguments(self, named_parameters, op, gradient_predivide_factor, backward_passes_per_step,
+                         backend_name: str, sync, fusion_threshold, groups):
+        """This rank's verdict on its arguments, without communicating: (the error or None, the
+        parameter specs, the fusion threshold, the explicit groups). Sets what it resolves
+        (``_op``, ``_strategy``, ``_params``, ``_names``)."""
         specs: List[bk.ParamSpec] = []
         threshold = 0
         group_indices: Optional[List[List[int]]] = None
-        backend_name = (backend or settings.rc.backend).lower()
         try:
             self._op = _resolve_op(None, op)
             if gradient_predivide_factor != 1.0 and self._op != ReduceOp.Average:
@@ -216,15 +258,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             threshold = bk.fusion_threshold_from_env() if fusion_threshold is None else int(fusion_threshold)
             group_indices = self._group_indices(groups)
         except (ValueError, TypeError, NotImplementedError) as exc:
-            local_error = exc
-        self._predivide = float(gradient_predivide_factor)
-        self.backward_passes_per_step = max(1, int(backward_passes_per_step))
-        self._compression = compression
-        self.sparse_as_dense = bool(sparse_as_dense)
-        self._verify_across_ranks(local_error, specs, threshold, group_indices, backend_name, sync)
-        self._backend: Backend = get_backend(backend_name) if self._group is None else MPIBackend(self._group)
-        self.plan = bk.plan_buckets(specs, threshold, group_indices)
+            return exc, specs, threshold, group_indices
+        return None, specs, threshold, group_indices
 
+    def _allocate_buckets(self, bucket_allocator: Optional[Allocator], backend_name: str) -> None:
+        """One flat buffer per planned bucket; every parameter's ``.grad`` becomes a view into
+        its bucket (an existing gradient is copied in)."""
         devices = {p.device for p in self._params}
         if len(devices) > 1:
             raise ValueError(f"parameters live on several devices {sorted(map(str, devices))}; "
@@ -255,6 +294,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                 p.grad = view
 
+
+    def _init_step_state(self, overlap: Optional[bool]) -> None:
+        """Per-round bookkeeping, the overlap choice, and how Average is applied."""
         self._lock = threading.RLock()
         self._states = [_BucketState(len(b.slots)) for b in self.plan.buckets]
         self._delay = [self.backward_passes_per_step] * len(self._params)
@@ -276,7 +318,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # format rounds the values): gradients stay where autograd put them, no hooks, no
         # copies — the same cost as a plain PyTorch loop.
         self._passthrough = (self._size == 1 and isinstance(self._strategy, AllReduce)
-                             and self._op in (ReduceOp.Average, ReduceOp.Sum) and self._predivide == 1.0
+                             and self._op in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum)
+                             and self._predivide == 1.0
                              and getattr(self._compression, "wire_dtype", None) is None)
         # Average as "pre-divide, then sum": the hook that moves a fresh gradient into its bucket
         # multiplies by 1/size on the way (one pass, the cost of the copy it replaces), so the
@@ -295,12 +338,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._slot_scale[slot.index] = self._bucket_scale[b]
         self._adopted = [False] * len(self._params)  # gradient already in its slot this round
         self._sparse_grads: Dict[int, torch.Tensor] = {}  # sparse gradients of this round (Horovod's path)
-        if isinstance(self._strategy, AllReduce) and not self._passthrough:
-            self._register_hooks()
-        if self._rank == 0:
-            log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s, "
-                     "overlap=%s", len(self._params), len(self.plan.buckets), threshold, self._strategy.name,
-                     self._backend.name, self._overlap)
 
     # ------------------------------------------------------------------ Optimizer surface
     @property

@@ -247,7 +247,8 @@ class Run:
         return HDF5Dataset(cfg.data.train, keys=self.keys, batch_size=self.plan.batch_size,
                            policy="weighted" if weights is not None else cfg.data.policy, seed=cfg.seed,
                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last, weights=weights,
-                           rank=self.data_rank, world_size=self.data_world, dtypes=self._dtypes(),
+                           stratify=(cfg.data.stratify or cfg.data.keys["y"]) if cfg.data.policy == "stratified"
+                           else None, rank=self.data_rank, world_size=self.data_world, dtypes=self._dtypes(),
                            prefetch=cfg.data.prefetch, driver=self._driver())
 
     def rank_batches(self) -> np.ndarray:

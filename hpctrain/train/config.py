@@ -29,7 +29,7 @@ LR_SCALING = ("linear", "sqrt", "none")
 STRATEGIES = ("allreduce", "parameter_server", "model_average")
 COMPRESSIONS = ("none", "fp16", "bf16")
 BACKENDS = ("mpi", "gloo", "nccl", "horovod")
-POLICIES = ("contiguous", "strided", "weighted")
+POLICIES = ("contiguous", "strided", "weighted", "stratified")
 BUFFERS = ("average", "broadcast", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NORMALIZE = ("none", "standard", "minmax")
@@ -73,30 +73,26 @@ class DataConfig:
 
     train: List[str] = field(default_factory=list)
     test: List[str] = field(default_factory=list)
-    keys: Dict[str, Union[str, List[str]]] = field(default_factory=lambda: {"x": "x", "y": "y"})
+    # Empty: the roles `hpctrain data pack` recorded in the first training file, else x and y
+    # (filled in by resolve_keys before training).
+    keys: Dict[str, Union[str, List[str]]] = field(default_factory=dict)
     dtypes: Dict[str, str] = field(default_factory=lambda: {"x": "float32", "y": "int64"})
     policy: str = "contiguous"
     shuffle: bool = True
     drop_last: bool = True
     prefetch: int = 1
     weights: List[float] = field(default_factory=list)
+    stratify: str = ""           # policy stratified: the integer class key (default: data.keys.y)
     normalize: str = "none"      # standard | minmax: statistics over all ranks' training inputs
 
     def __post_init__(self) -> None:
         _need(bool(self.train), "data.train: no training files given; expected a list of HDF5 paths, "
               "e.g. data: {train: [shards/]}")
-        _need(set(self.keys) == {"x", "y"}, f"data.keys: expected exactly the roles 'x' and 'y' "
-              f"(mapping to dataset names), got {sorted(self.keys)}")
         _need(set(self.dtypes) <= {"x", "y"}, f"data.dtypes: roles must be 'x'/'y', got {sorted(self.dtypes)}")
         _choice("data.policy", self.policy, POLICIES)
         _choice("data.normalize", self.normalize, NORMALIZE)
-        _need(isinstance(self.keys["y"], str), f"data.keys.y: {self.keys['y']!r}; expected one dataset name")
-        _need(bool(self.x_keys) and all(isinstance(k, str) and k for k in self.x_keys),
-              f"data.keys.x: {self.keys['x']!r}; expected a dataset name or a list of them "
-              "(the model's forward takes them in that order)")
-        _need(self.normalize == "none" or len(self.x_keys) == 1,
-              "data.normalize applies to one input, data.keys.x names several\nHINT: normalise in your model's "
-              "forward, or set data.normalize: none")
+        if self.keys:
+            self._check_keys()
         _need(self.prefetch >= 0, f"data.prefetch: {self.prefetch} < 0; expected windows to read ahead (>= 0)")
         for i, w in enumerate(self.weights):
             _need(math.isfinite(w) and w > 0, f"data.weights[{i}]: {w} must be a positive number "
@@ -108,11 +104,34 @@ class DataConfig:
         else:
             _need(not self.weights, f"data.weights is used only by data.policy: weighted, not {self.policy!r}\n"
                   "HINT: set data.policy: weighted, or remove data.weights")
+        _need(not self.stratify or self.policy == "stratified",
+              f"data.stratify is used only by data.policy: stratified, not {self.policy!r}\n"
+              "HINT: set data.policy: stratified, or remove data.stratify")
+
+    def _check_keys(self) -> None:
+        _need(set(self.keys) == {"x", "y"}, f"data.keys: expected exactly the roles 'x' and 'y' "
+              f"(mapping to dataset names), got {sorted(self.keys)}")
+        _need(isinstance(self.keys["y"], str), f"data.keys.y: {self.keys['y']!r}; expected one dataset name")
+        _need(bool(self.x_keys) and all(isinstance(k, str) and k for k in self.x_keys),
+              f"data.keys.x: {self.keys['x']!r}; expected a dataset name or a list of them "
+              "(the model's forward takes them in that order)")
+        _need(self.normalize == "none" or len(self.x_keys) == 1,
+              "data.normalize applies to one input, data.keys.x names several\nHINT: normalise in your model's "
+              "forward, or set data.normalize: none")
+
+    def resolve_keys(self, recorded: Mapping[str, str]) -> None:
+        """Fill in ``keys`` when the config names none: the roles ``recorded`` in the training
+        data (``hpctrain.data.roles`` of its first file), a role not recorded by its own name."""
+        if self.keys:
+            return
+        self.keys = {"x": str(recorded.get("x", "x")), "y": str(recorded.get("y", "y"))}
+        self._check_keys()
 
     @property
     def x_keys(self) -> List[str]:
-        """The input datasets, in the order the model's forward takes them."""
-        x = self.keys["x"]
+        """The input datasets, in the order the model's forward takes them (``x`` while
+        ``keys`` is not resolved yet)."""
+        x = self.keys.get("x", "x")
         return [x] if isinstance(x, str) else list(x)
 
     @property

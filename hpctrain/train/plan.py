@@ -76,7 +76,10 @@ def make_plan(cfg: TrainConfig, train_counts: Sequence[int], test_counts: Sequen
     policy = "weighted" if weights is not None else cfg.data.policy
     if policy == "weighted" and weights is None:
         weights = rank_weights(cfg.data.weights, world_size)
-    kwargs = dict(seed=cfg.seed, epoch=0, policy=policy, drop_last=cfg.data.drop_last,
+    # 'stratified' gives every rank the steps and the number of real samples 'contiguous' gives
+    # it (the totals of a round-robin deal); only which samples differs, which needs the labels.
+    kwargs = dict(seed=cfg.seed, epoch=0, policy="contiguous" if policy == "stratified" else policy,
+                  drop_last=cfg.data.drop_last,
                   shuffle=cfg.data.shuffle, weights=weights if policy == "weighted" else None)
     plans = [plan_epoch(list(train_counts), world_size, r, b, **kwargs) for r in range(world_size)]
     batches = plans[0].steps

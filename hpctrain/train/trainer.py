@@ -56,6 +56,18 @@ class FitResult:
     requeued: bool = False
 
 
+def _keys_from_data(cfg: TrainConfig) -> None:
+    """``data.keys`` of a config that names none: the roles ``hpctrain data pack`` recorded."""
+    if cfg.data.keys:
+        return
+    from hpctrain.data import roles
+    from hpctrain.data.h5files import expand_paths
+
+    first = expand_paths(list(cfg.data.train))[0]
+    cfg.data.resolve_keys(roles(first))
+    log.info("data.keys from %s: x=%s, y=%s", first, cfg.data.keys["x"], cfg.data.keys["y"])
+
+
 def _node_of_rank(cfg: TrainConfig, world_size: int) -> Optional[List[int]]:
     """Every rank's node index, when weights are given per node and the world is running
     (collective then; the same decision on every rank); None otherwise."""
@@ -78,6 +90,7 @@ class Trainer:
             raise TypeError(f"Trainer needs a TrainConfig, got {type(config).__name__}; "
                             "HINT: hpctrain.train.load_config('run.yaml')")
         self.cfg = config
+        _keys_from_data(config)
         if resume is None and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
             resume = "auto"
         self.resume = resume

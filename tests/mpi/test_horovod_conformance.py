@@ -312,6 +312,70 @@ def test_duplicate_pending_name_raises_and_the_first_survives():
     _still_usable()
 
 
+@pytest.mark.skipif(IS_HOROVOD, reason="Horovod raises on that rank only and the others wait for it forever")
+def test_argument_error_on_one_rank_raises_on_every_rank():
+    # Horovod's rule (a bad call costs one exception per rank, the job stays usable), for the
+    # all-reduces, whose calls hpctrain does not describe to each other beforehand.
+    bad = R == N - 1
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.allreduce(torch.ones(3), op=99 if bad else hvd.Sum)
+    _still_usable()
+    with pytest.raises((TypeError, RuntimeError)):
+        hvd.allreduce_("not a tensor" if bad else torch.ones(3), op=hvd.Sum)
+    _still_usable()
+    if bad:
+        with pytest.raises(ValueError):
+            hvd.allreduce_async(torch.ones(2), op=99)
+    else:
+        handle = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
+        with pytest.raises(RuntimeError):
+            hvd.synchronize(handle)
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.grouped_allreduce([torch.ones(2), torch.ones(1)], op=99 if bad else hvd.Sum)
+    _still_usable()
+
+
+def test_duplicate_name_pending_on_one_rank_only_raises_everywhere():
+    x = torch.full((3,), float(R))
+    first = hvd.allreduce_async(x, name="dup.one", op=hvd.Sum)
+    if R == 0:
+        hvd.synchronize(first)  # rank 0's name is free again, the others' is still pending
+    if IS_HOROVOD:
+        return hvd.synchronize(first) if R != 0 else None
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.synchronize(hvd.allreduce_async(x, name="dup.one", op=hvd.Sum))
+    if R != 0:
+        assert hvd.synchronize(first).tolist() == [N * (N - 1) / 2] * 3
+    _still_usable()
+
+
+def test_names_submitted_in_different_orders():
+    # Horovod matches by name, so both orders give each name's sum. hpctrain matches by
+    # submission order and checks the names: every rank raises, none mixes two tensors.
+    a, b = torch.full((2,), float(R)), torch.full((2,), 10.0 * R)
+    order = ["order.a", "order.b"] if R % 2 == 0 else ["order.b", "order.a"]
+    handles = {name: hvd.allreduce_async({"order.a": a, "order.b": b}[name], name=name, op=hvd.Sum)
+               for name in order}
+    if IS_HOROVOD:
+        assert hvd.synchronize(handles["order.a"]).tolist() == [N * (N - 1) / 2] * 2
+        assert hvd.synchronize(handles["order.b"]).tolist() == [10 * N * (N - 1) / 2] * 2
+    else:
+        for name in order:
+            with pytest.raises(RuntimeError, match="order"):
+                hvd.synchronize(handles[name])
+    gathers = {name: hvd.allgather_async(torch.full((1, 2), float(R)), name=name.replace("order", "order.g"))
+               for name in order}
+    for name in order:
+        if IS_HOROVOD:
+            assert hvd.synchronize(gathers[name]).tolist() == [[float(r)] * 2 for r in range(N)]
+        else:
+            with pytest.raises(RuntimeError, match="order"):
+                hvd.synchronize(gathers[name])
+    same = [hvd.allreduce_async(a, name="order.same", op=hvd.Sum)]
+    assert hvd.synchronize(same[0]).tolist() == [N * (N - 1) / 2] * 2
+    _still_usable()
+
+
 # --------------------------------------------------------------------------- timeline
 def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path):
     # Timeline: rank 0 writes JSON events; each tensor name is a trace "process" (M events),
@@ -410,4 +474,84 @@ def test_async_errors_reach_every_rank():
     handle = hvd.broadcast_async(torch.ones(2), 0 if R == 0 else N - 1)  # mismatched roots
     with pytest.raises(RuntimeError):
         hvd.synchronize(handle)
+    _still_usable()
+
+
+# --------------------------------------------------------------------------- join
+def test_join_stands_in_for_zeros_in_the_others_allreduces():
+    # Controller: a joined rank's requests count as ready; its part of an allreduce is a zero
+    # tensor, and Average divides by the set's size (postscale_factor /= size), joined or not.
+    # Allgather and broadcast are refused while a rank is joined ("not supported with Join").
+    others = sum(r + 1.0 for r in range(1, N))
+    if R == 0:
+        assert hvd.join() == N - 1
+    else:
+        assert hvd.allreduce(torch.full((2, 3), R + 1.0), op=hvd.Sum).tolist() == [[others] * 3] * 2
+        assert torch.allclose(hvd.allreduce(torch.full((4,), R + 1.0)), torch.full((4,), others / N))
+        assert hvd.allreduce(torch.full((3,), R + 1, dtype=torch.int32), op=hvd.Sum).tolist() == [int(others)] * 3
+        parts = hvd.grouped_allreduce([torch.full((2,), R + 1.0), torch.full((1, 2), 2.0 * R)], op=hvd.Sum)
+        assert parts[0].tolist() == [others] * 2 and parts[1].tolist() == [[2.0 * (others - N + 1)] * 2]
+        handle = hvd.allreduce_async_(torch.full((5,), R + 1.0), op=hvd.Sum)
+        assert hvd.synchronize(handle).tolist() == [others] * 5
+        with pytest.raises(RuntimeError):
+            hvd.allgather(torch.ones(1, 2))
+        with pytest.raises(RuntimeError):
+            hvd.broadcast(torch.ones(2), 1)
+        with pytest.raises(RuntimeError):
+            hvd.barrier()
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == N - 1  # still usable
+        assert hvd.join() == N - 1
+    _still_usable()
+    assert hvd.allgather(torch.full((1, 2), float(R))).tolist() == [[float(r)] * 2 for r in range(N)]
+
+
+def test_join_returns_the_last_rank_to_join():
+    # Every rank r > 0 makes r all-reduces after rank 0 joined, then joins: rank N-1 is last.
+    if R > 0:
+        for _ in range(R):
+            hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    assert hvd.join() == N - 1
+    if not IS_HOROVOD:  # every rank joining at once: the highest rank counts as the last
+        assert hvd.join() == N - 1
+    _still_usable()
+
+
+def test_join_lets_ranks_with_more_batches_train_with_the_distributed_optimizer():
+    # Rank 0 has 2 batches, the others 4: their steps 3 and 4 average over all N ranks with
+    # rank 0's zeros (w -= lr * sum_{r>0} grad_r / N), as Horovod computes them.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    w0 = model.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    batches = {r: 2 if r == 0 else 4 for r in range(N)}
+
+    def batch(r, step):
+        g = torch.Generator().manual_seed(100 * r + step)
+        return torch.randn(5, 3, generator=g), torch.randn(5, 1, generator=g)
+
+    for step in range(batches[R]):
+        x, y = batch(R, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = hvd.join()
+    assert last in range(1, N)
+    # the same steps by hand
+    w = w0.clone()
+    for step in range(4):
+        total = torch.zeros_like(w)
+        for r in range(N):
+            if step < batches[r]:
+                x, y = batch(r, step)
+                wr = w.clone().requires_grad_(True)
+                torch.nn.functional.mse_loss(x @ wr.t(), y).backward()
+                total += wr.grad
+        w = w - 0.1 * total / N
+        if step == 1 and R == 0:
+            assert torch.allclose(model.weight.detach(), w, atol=1e-6)
+    if R > 0:
+        assert torch.allclose(model.weight.detach(), w, atol=1e-6)
+    everyone = hvd.allgather(model.weight.detach())
+    assert all(torch.equal(everyone[r], everyone[1]) for r in range(1, N))
     _still_usable()

@@ -111,3 +111,31 @@ def test_mismatch_message_names_every_rank_s_shape_when_shapes_differ():
     msg = guard.mismatch_message(np.stack([h0, h1]), _FakeGroup(), shapes)
     assert "shapes [(3, 2), (4,)]" in msg and "shapes [(2, 3), (4,)]" in msg
     assert "1000 elements of shape #" in guard.mismatch_message(np.stack([h0, h1]), _FakeGroup())
+
+
+def test_join_headers_are_told_apart_from_a_mismatch():
+    from hpctrain.comm import joining
+
+    call = guard.make_header(7, "allreduce", "avg", "float32", guard.count_word((2, 3), 6), "shm")
+    other = guard.make_header(7, "allreduce", "avg", "float32", 5, "shm")
+    join = guard.make_header(7, "join")
+    joins, common = joining.classify(np.stack([join, call, call]))
+    assert joins == [0] and (common == call).all()
+    assert common[4] & ((1 << 40) - 1) == 6  # what the joined rank adds zeros for
+    assert joining.classify(np.stack([join, join, call]))[0] == [0, 1]
+    assert joining.classify(np.stack([join, call, other])) == ([0], None)  # the others disagree
+    assert joining.classify(np.stack([call, other])) == ([], None)  # no join: a plain mismatch
+    assert joining.classify(np.stack([join, join])) == ([0, 1], None)  # every rank joined
+    assert "join()" in guard.mismatch_message(np.stack([join, call]), _FakeGroup())
+
+
+def test_refused_calls_and_names_in_the_mismatch_message():
+    refused = guard.make_header(3, "invalid_call")
+    call = guard.make_header(3, "allreduce", "sum", "float32", 4, "shm")
+    msg = guard.mismatch_message(np.stack([call, refused]), _FakeGroup())
+    assert "ranks 1 called a call whose arguments it refused" in msg
+    a, b = guard.named_shape("grad.a", (4,)), guard.named_shape("grad.b", (4,))
+    assert guard.count_word(a, 4) != guard.count_word(b, 4) and guard.count_word(a, 4) & ((1 << 40) - 1) == 4
+    msg = guard.mismatch_message(np.stack([guard.make_header(3, "allreduce", "sum", "float32", guard.count_word(s, 4))
+                                           for s in (a, b)]), _FakeGroup(), [a, b])
+    assert "shape (4,) named 'grad.a'" in msg and "shape (4,) named 'grad.b'" in msg

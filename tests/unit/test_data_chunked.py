@@ -3,6 +3,7 @@ loader's batches equal those read through HDF5, for every filter combination it 
 every shuffle mode and partial chunks; a damaged chunk is an error naming file and key."""
 
 import h5py
+import hdf5plugin
 import numpy as np
 import pytest
 import torch
@@ -23,6 +24,14 @@ FILTERS = {
     "lzf+shuffle": dict(compression="lzf", shuffle=True),
     "gzip": dict(compression="gzip", compression_opts=4),
     "gzip+shuffle": dict(compression="gzip", shuffle=True),
+    # hdf5plugin's filters, decoded by the plugins' own functions outside HDF5
+    "blosc-lz4": dict(hdf5plugin.Blosc(cname="lz4", shuffle=hdf5plugin.Blosc.SHUFFLE)),
+    "blosc-zstd-bitshuffle": dict(hdf5plugin.Blosc(cname="zstd", shuffle=hdf5plugin.Blosc.BITSHUFFLE)),
+    "blosc2": dict(hdf5plugin.Blosc2(cname="lz4")),
+    "bitshuffle-lz4": dict(hdf5plugin.Bitshuffle(cname="lz4")),
+    "lz4": dict(hdf5plugin.LZ4()),
+    "zstd": dict(hdf5plugin.Zstd()),
+    "zstd+shuffle": dict(hdf5plugin.Zstd(), shuffle=True),
 }
 
 
@@ -66,7 +75,7 @@ def test_unsupported_filters_are_read_through_hdf5(tmp_path):
 
 
 @pytest.mark.parametrize("shuffle", [True, "block", False])
-@pytest.mark.parametrize("name", ["lzf+shuffle", "gzip"])
+@pytest.mark.parametrize("name", ["lzf+shuffle", "gzip", "bitshuffle-lz4", "zstd+shuffle", "blosc-lz4"])
 def test_loader_batches_equal_hdf5_reads(tmp_path, name, shuffle):
     paths = [write(tmp_path / "a.h5", 700, FILTERS[name], chunk=64),
              write(tmp_path / "b.h5", 333, FILTERS[name], chunk=50, start=700)]
@@ -89,8 +98,9 @@ def test_loader_batches_equal_hdf5_reads(tmp_path, name, shuffle):
         slow.close()
 
 
-def test_damaged_chunk_names_file_and_key(tmp_path):
-    path = write(tmp_path / "bad.h5", 4096, FILTERS["lzf"], chunk=256, features=64)
+@pytest.mark.parametrize("name", ["lzf", "bitshuffle-lz4", "blosc-lz4"])
+def test_damaged_chunk_names_file_and_key(tmp_path, name):
+    path = write(tmp_path / "bad.h5", 4096, FILTERS[name], chunk=256, features=64)
     with h5py.File(path, "r") as f:
         info = f["x"].id.get_chunk_info(3)
     ds = HDF5Dataset(path, ["x", "y"], 128, rank=0, world_size=1, seed=0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpctrain.data import HDF5Dataset
-from hpctrain.data.errors import ConfigError, CorruptFileError
+from hpctrain.data.errors import ConfigError, CorruptFileError, DtypeError, LengthMismatchError, MissingKeyError
 from hpctrain.data.loader import choose_driver
 
 
@@ -288,3 +288,58 @@ def test_dataloader_workers_decode_compressed_chunks(tmp_path):
         assert torch.equal(b["x"][:, 0], b["index"].float() * 10)
         ids.append(b["index"][b["mask"]].numpy())
     assert sorted(np.concatenate(ids).tolist()) == list(range(sum(sizes)))
+
+
+def make_labelled(path, n, start, classes, chunk=16):
+    """y = global id (checked by collect), c = class of each sample, written class by class."""
+    g = np.arange(start, start + n, dtype=np.int64)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=(g[:, None] * 10 + np.arange(3)).astype(np.float32), chunks=(chunk, 3))
+        f.create_dataset("y", data=g, chunks=(chunk,))
+        f.create_dataset("c", data=classes.astype(np.float64), chunks=(chunk,))  # whole floats are classes
+    return str(path)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_stratified_every_rank_same_class_proportions(tmp_path, shuffle, drop_last):
+    classes = np.repeat([0, 1, 2, 5], [90, 45, 20, 6])  # skewed, sorted: contiguous shares would not mix
+    paths = [make_labelled(tmp_path / "a.h5", 100, 0, classes[:100]),
+             make_labelled(tmp_path / "b.h5", 61, 100, classes[100:])]
+    world, per_rank, lengths = 3, [], set()
+    for rank in range(world):
+        ds = HDF5Dataset(paths, ["x", "y"], 5, rank=rank, world_size=world, policy="stratified", stratify="c",
+                         seed=2, shuffle=shuffle, drop_last=drop_last, prefetch=1)
+        ds.set_epoch(1)
+        ids, mask = collect(ds)
+        lengths.add(len(ds))
+        per_rank.append(ids[mask])
+        ds.close()
+    assert len(lengths) == 1
+    together = np.concatenate(per_rank)
+    assert len(np.unique(together)) == len(together)
+    if not drop_last:
+        assert sorted(together.tolist()) == list(range(161))
+    counts = np.array([[np.count_nonzero(classes[r] == c) for c in (0, 1, 2, 5)] for r in per_rank])
+    assert np.all(counts.max(axis=0) - counts.min(axis=0) <= 1), counts
+
+
+def test_stratified_label_errors(tmp_path):
+    path = make_labelled(tmp_path / "a.h5", 40, 0, np.arange(40) % 4)
+    with h5py.File(path, "a") as f:
+        f["half"] = np.arange(40) / 2
+        f["short"] = np.arange(39)
+    with pytest.raises(DtypeError, match=r"not whole numbers .*0\.5 at sample 1.*\nHINT: stratify by an integer"):
+        HDF5Dataset(path, ["x", "y"], 4, rank=0, world_size=2, policy="stratified", stratify="half")
+    with pytest.raises(MissingKeyError, match=r"'nope'.*no such key; datasets in the file: c, half, short, x, y"
+                                              r"\nHINT:"):
+        HDF5Dataset(path, ["x", "y"], 4, rank=0, world_size=2, policy="stratified", stratify="nope")
+    with pytest.raises(LengthMismatchError, match="39 rows.*40 samples"):
+        HDF5Dataset(path, ["x", "y"], 4, rank=0, world_size=2, policy="stratified", stratify="short")
+    with pytest.raises(ConfigError, match="have no 'y'.*\nHINT: pass stratify="):
+        HDF5Dataset(path, ["x"], 4, rank=0, world_size=2, policy="stratified")
+    with pytest.raises(ConfigError, match="only by policy 'stratified'"):
+        HDF5Dataset(path, ["x", "y"], 4, rank=0, world_size=2, stratify="c")
+    # The default label key is y (here every sample its own class: still one each).
+    ds = HDF5Dataset(path, ["x", "y"], 4, rank=1, world_size=2, policy="stratified")
+    assert ds.stratify == "y" and len(ds) == 5

@@ -130,3 +130,18 @@ def test_hdf5_and_netcdf_inputs_with_keys(tmp_path):
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     assert roles(str(tmp_path / "r.h5")) == {"x": "x"}
+
+
+def test_roles_of_kept_names(tmp_path):
+    src = tmp_path / "scan.h5"
+    with h5py.File(src, "w") as f:
+        f["entry/data/data"] = RNG.normal(size=(9, 2))
+        f["entry/data/label"] = np.arange(9)
+    out = str(tmp_path / "o.h5")
+    pack([str(src)], out, role_keys={"x": "entry/data/data", "y": "entry/data/label"}, quiet=True)
+    assert roles(out) == {"x": "entry/data/data", "y": "entry/data/label"}
+    with pytest.raises(ConfigError, match=r"y='label' names no packed key; keys: entry/data/data, entry/data/label"
+                                          r"\nHINT:"):
+        pack([str(src)], out, role_keys={"y": "label"})
+    with pytest.raises(ConfigError, match="unknown role 'z'"):
+        pack([str(src)], out, role_keys={"z": "entry/data/data"})

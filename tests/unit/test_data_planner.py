@@ -33,6 +33,9 @@ def setups(draw):
         window_steps=draw(st.sampled_from([0, 1, 3])),
         window_order=draw(st.sampled_from(["shuffle", "sort"])),
     )
+    if policy == "stratified":
+        classes = draw(st.integers(1, 7))
+        kwargs["labels"] = np.random.default_rng(kwargs["seed"]).integers(0, classes, sum(counts)).astype(np.int16)
     return counts, world, batch, kwargs
 
 
@@ -154,6 +157,10 @@ def test_apportion():
     (dict(counts=[100], world_size=2, rank=0, batch_size=1, policy="weighted"), ConfigError, "one weight per rank"),
     (dict(counts=[100], world_size=2, rank=0, batch_size=1, weights=[1, 2]), ConfigError, "only by policy"),
     (dict(counts=[100], world_size=2, rank=0, batch_size=0), ConfigError, "batch_size"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=1, policy="stratified"), ConfigError, "one class label"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=1, policy="stratified", labels=np.zeros(99)),
+     ConfigError, r"\(100\), got shape \(99,\)"),
+    (dict(counts=[100], world_size=2, rank=0, batch_size=1, labels=np.zeros(100)), ConfigError, "only by policy"),
 ])
 def test_bad_arguments(kwargs, exc, words):
     with pytest.raises(exc, match=words) as info:
@@ -169,3 +176,70 @@ def test_window_sort_orders_each_window():
         assert np.all(np.diff(p.indices[w:w + 50]) > 0)
     with pytest.raises(ConfigError, match="window_order"):
         plan_epoch([1000], 2, 1, 10, window_order="random")
+
+
+@st.composite
+def stratified_setups(draw):
+    world = draw(st.integers(1, 5))
+    batch = draw(st.integers(1, 8))
+    nfiles = draw(st.integers(1, 3))
+    counts = draw(st.lists(st.integers(0, 80), min_size=nfiles, max_size=nfiles))
+    counts[0] += max(0, world * batch - sum(counts)) + draw(st.integers(0, 90))
+    # Skewed class sizes (a rare class, a common one), labels in file order or in runs.
+    weights = np.array(draw(st.lists(st.floats(0.05, 1.0), min_size=1, max_size=6)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    labels = rng.choice(np.arange(len(weights)) * 3 - 2, size=sum(counts), p=weights / weights.sum())
+    if draw(st.booleans()):
+        labels = np.sort(labels)  # a file written class by class
+    kwargs = dict(seed=draw(st.integers(0, 2**31)), epoch=draw(st.integers(0, 20)), policy="stratified",
+                  drop_last=draw(st.booleans()), shuffle=draw(st.booleans()), labels=labels,
+                  block_rows=draw(st.sampled_from([1, 4, 16])), window_steps=draw(st.sampled_from([0, 2])))
+    return counts, world, batch, kwargs
+
+
+@settings(max_examples=300, deadline=None)
+@given(stratified_setups())
+def test_stratified_class_proportions_equal_on_every_rank(setup):
+    counts, world, batch, kw = setup
+    labels = kw["labels"]
+    n = len(labels)
+    plans = plan_all(counts, world, batch, **kw)
+    assert len({p.steps for p in plans}) == 1 and plans[0].steps >= 1
+    real = [p.indices[p.mask] for p in plans]
+    together = np.concatenate(real)
+    assert len(np.unique(together)) == len(together)  # nothing twice
+    classes = np.unique(labels)
+    per_rank = np.array([[np.count_nonzero(labels[r] == c) for c in classes] for r in real])
+    # Every class: the ranks' counts differ by at most one.
+    assert np.all(per_rank.max(axis=0) - per_rank.min(axis=0) <= 1)
+    if kw["drop_last"]:
+        assert all(len(r) == plans[0].steps * batch for r in real)
+        # What is left out is taken from every class in proportion (within one per class).
+        kept = per_rank.sum(axis=0)
+        expect = np.array([np.count_nonzero(labels == c) for c in classes]) * len(together) / n
+        assert np.all(np.abs(kept - expect) < 1)
+    else:
+        assert sorted(together.tolist()) == list(range(n))  # every sample once
+    again = plan_all(counts, world, batch, **kw)
+    for a, b in zip(plans, again):
+        assert np.array_equal(a.indices, b.indices) and np.array_equal(a.mask, b.mask)
+    # The same steps and real samples per rank as 'contiguous' (the runner plans with those).
+    contiguous = plan_all(counts, world, batch, **{**kw, "policy": "contiguous", "labels": None})
+    assert [(p.steps, p.num_real) for p in contiguous] == [(p.steps, p.num_real) for p in plans]
+
+
+def test_stratified_shuffles_per_epoch_and_reads_blocks():
+    labels = np.repeat(np.arange(4), [500, 300, 150, 50])  # written class by class
+    kw = dict(policy="stratified", labels=labels, block_rows=64, seed=3)
+    a = plan_all([1000], 3, 16, epoch=0, **kw)
+    b = plan_all([1000], 3, 16, epoch=1, **kw)
+    assert not np.array_equal(a[0].indices, b[0].indices)
+    assert {p.steps for p in a} == {p.steps for p in b} == {-(-1000 // 48)}
+    # Which samples a rank gets changes too, not only their order.
+    assert set(a[0].indices[a[0].mask].tolist()) != set(b[0].indices[b[0].mask].tolist())
+    # A rank's ids come block by block (chunk-aligned blocks of 64 rows in shuffled order).
+    blocks = a[1].indices[a[1].mask] // 64
+    assert np.count_nonzero(np.diff(blocks)) == len(np.unique(blocks)) - 1
+    # Without shuffling: file order, the deal fixed.
+    c = plan_all([1000], 3, 16, shuffle=False, **kw)
+    assert all(np.all(np.diff(p.indices[p.mask]) > 0) for p in c)

@@ -93,3 +93,19 @@ def test_cli_shard_stratify(tmp_path):
     for i in range(5):
         with h5py.File(tmp_path / "sh" / f"d-{i:05d}-of-00005.h5", "r") as f:
             assert np.bincount(f["y"][()]).tolist() == [18, 2]
+
+
+def test_class_codes_of_labels():
+    from hpctrain.data.errors import DtypeError
+    from hpctrain.data.strata import class_codes
+
+    codes = class_codes(np.array([[7], [-1], [7], [3]]))
+    assert codes.dtype == np.int16 and codes.tolist() == [2, 0, 2, 1]
+    assert class_codes(np.array([1.0, 0.0, 1.0])).tolist() == [1, 0, 1]
+    assert class_codes(np.array([True, False])).tolist() == [1, 0]
+    with pytest.raises(DtypeError, match=r"shape \(3, 2\) are not one class per sample.*\nHINT:"):
+        class_codes(np.zeros((3, 2)))
+    with pytest.raises(DtypeError, match=r"not whole numbers \(1 of 2, e.g. nan at sample 1\)"):
+        class_codes(np.array([1.0, np.nan]), "y")
+    with pytest.raises(DtypeError, match="dtype complex128 are not integer classes"):
+        class_codes(np.array([1j]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from hpctrain.probe.search import (FITS, OOM, OVER, BatchSearch, SearchConfig, SimulatedMemory, Trial,
@@ -56,6 +56,9 @@ affine = st.tuples(
 
 @settings(max_examples=400, deadline=None)
 @given(affine)
+# found by hypothesis: two extrapolations past a noisy limit failed (10, 9); the search then
+# bisected from 2 instead of probing just below the failure (7 trials for a maximum of 8)
+@example((256 << 20, 0.8125, 2.1875, 0.001953125, 1.0))
 def test_affine_memory_within_10_percent_and_trial_bound(params):
     limit, fixed_share, log_target, noise_share, cap_share = params
     fixed = int(limit * fixed_share)

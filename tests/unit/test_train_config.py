@@ -16,11 +16,29 @@ def cfg(**extra):
 
 def test_defaults_and_types():
     c = cfg()
-    assert c.batch_size == 32 and c.optimizer.name == "sgd" and c.data.keys == {"x": "x", "y": "y"}
+    assert c.batch_size == 32 and c.optimizer.name == "sgd" and c.data.keys == {}
     assert c.checkpoint_dir.endswith("checkpoints")
     d = c.to_dict()
     assert d["optimizer"]["lr"] == 0.1 and d["data"]["train"] == ["a.h5"]
     assert load_config(data=d) == c  # round trip
+
+
+def test_keys_from_recorded_roles_unless_given():
+    c = cfg()
+    c.data.resolve_keys({"x": "entry/data/data", "y": "entry/data/label"})
+    assert c.data.keys == {"x": "entry/data/data", "y": "entry/data/label"} and c.data.x_key == "entry/data/data"
+    c = cfg()
+    c.data.resolve_keys({"x": "img"})  # a role not recorded: its own name
+    assert c.data.keys == {"x": "img", "y": "y"}
+    c = cfg(data={"train": ["a.h5"], "keys": {"x": "a", "y": "b"}})
+    c.data.resolve_keys({"x": "img", "y": "label"})  # named in the config: kept
+    assert c.data.keys == {"x": "a", "y": "b"}
+
+
+def test_stratify_needs_the_stratified_policy():
+    assert cfg(data={"train": ["a.h5"], "policy": "stratified", "stratify": "c"}).data.stratify == "c"
+    with pytest.raises(ConfigError, match="data.stratify is used only by data.policy: stratified.*\nHINT:"):
+        cfg(data={"train": ["a.h5"], "stratify": "c"})
 
 
 def test_unknown_top_level_key_lists_valid_ones():
