@@ -17,8 +17,8 @@ def __getattr__(name):
     # The collectives import mpi4py; load them on first use so `import hpctrain.comm` stays cheap.
     import importlib
 
-    if name.startswith("__"):
-        raise AttributeError(name)
+    if name.startswith("_"):  # private names (the C extensions among them) are never the collectives':
+        raise AttributeError(name)  # `from . import _shmsync` asks here first, mid-import of shmsync
     collectives = importlib.import_module("hpctrain.comm.collectives")
     if hasattr(collectives, name):
         value = getattr(collectives, name)
@@ -33,7 +33,7 @@ __all__ = [
     "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async", "grouped_adasum_",
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
-    "barrier", "join", "refuse", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "tuned_counts", "Handle",
+    "barrier", "join", "refuse", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "allreduce_route", "tuned_counts", "Handle",
     "synchronize_all", "cuda_support", "accept_device_buffers", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
     "CollectiveMismatchError", "JoinedRanksError", "StallError", "NotInitializedError", "WorldSizeError",
 ]

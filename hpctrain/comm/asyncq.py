@@ -69,6 +69,18 @@ class _Worker:
                 self._idle.notify_all()
 
 
+class State:
+    """``started``: an async collective was submitted in this process (the background thread
+    exists). Read by the blocking collectives on every call, hence an attribute: while it is
+    False there is nothing to ``drain``."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False
+
+
+STATE = State()
 _worker: dict = {"w": None}
 _lock = threading.Lock()
 
@@ -77,6 +89,7 @@ def submit(name: str, fn: Callable[[], Any]) -> Handle:
     with _lock:
         if _worker["w"] is None:
             _worker["w"] = _Worker()
+            STATE.started = True
     return _worker["w"].submit(name, fn)
 
 

@@ -34,7 +34,8 @@ def _all_ranks(g: Group):
 
 
 _ENV_CHOICE = {"value": None}
-_ASYNC_WORKER = asyncq._worker  # {"w": the background thread of allreduce_async, or None}
+_ASYNC = asyncq.STATE  # .started: an async collective may be queued (drain first)
+_CHECKS = guard.CHECKS  # .on: the agreement check runs (an attribute read, on the lean path)
 
 
 def requested_algorithm(algorithm: str) -> str:
@@ -61,6 +62,14 @@ def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str 
                                  _small_shm(g, str(dtype).replace("torch.", "")))
 
 
+def allreduce_route(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto",
+                    shared: bool = False, dtype: str = "float32") -> plan.Route:
+    """The route (``plan.Route``: kind, header algorithm, run-time candidates) an all-reduce of
+    ``nbytes`` of ``dtype`` takes on ``group``; ``shared``: the data lives in a ``shared_buffer``."""
+    g = resolve(group)
+    return _route(g, nbytes, str(dtype).replace("torch.", ""), requested_algorithm(algorithm), shared)
+
+
 def tuned_counts(nbytes: int, group: Optional[Group] = None) -> Dict[str, int]:
     """How many of this process's ``auto`` all-reduces of about ``nbytes`` (same size class) ran
     each algorithm, as decided by the group's local rank 0 (empty elsewhere, or when nothing
@@ -80,6 +89,12 @@ def _small_shm(g: Group, dtype_name: str) -> int:
     return g.small_shm if DTYPE_CODES.get(dtype_name, -1) in shmsync.FAST_DTYPES else 0
 
 
+def _route(g: Group, nbytes: int, dtype_name: str, requested: str, shared: bool) -> plan.Route:
+    """``plan.route`` with this group's facts: the one all-reduce decision, for every path."""
+    return plan.route(nbytes, g.topology, requested, shared=shared, small_shm=_small_shm(g, dtype_name),
+                      pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune)
+
+
 # --------------------------------------------------------------------------- all-reduce
 def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
     """Reduce ``x`` over the ranks of ``group``; return a new array/tensor with the result.
@@ -91,14 +106,15 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     pass the same shape and dtype (checked, unless the agreement check is off).
     """
     g = _sync_start(group)
-    if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and x.nbytes < plan.LARGE_RING_BYTES
-            and requested_algorithm("auto") == "auto" and not g.joined):  # (larger: the ring, on the general path)
-        out = np.array(x, order="C")  # a contiguous copy, reduced in place
-        try:
-            if _lean_allreduce_(g, out, op):
-                return out
-        except CollectiveMismatchError as e:
-            return _after_mismatch(e, x, op, g, inplace=False)
+    if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
+        lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+        if lean.route is not None:
+            out = np.array(x, order="C")  # private, contiguous and writable: the lean path takes it
+            try:
+                _run_lean(g, out, op, lean)
+            except CollectiveMismatchError as e:  # ranks may have joined (_after_mismatch)
+                return _after_mismatch(e, x, op, g, inplace=False)
+            return out
     return _allreduce(x, op, algorithm, g, inplace=False)
 
 
@@ -122,43 +138,40 @@ def _joined_allreduce(x: Any, op: str, g: Group, inplace: bool, shape=None, agre
 def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None) -> Any:
     """In-place all-reduce; returns ``x``."""
     g = _world_state["world"] if group is None else group
-    # the common case first, with as little Python as possible: auto, a numpy array, a
-    # one-node group with flags, no override. Up to g.small_shm bytes that is one flag
-    # exchange, made right here rather than through _small_allreduce_ (the same steps): at
-    # 1 KiB the helpers' Python costs more than the exchange itself, and this path is what
-    # keeps small all-reduces ahead of a bare MPI_Allreduce (docs/performance.md). A failed
-    # agreement check may mean that ranks have joined (_after_mismatch; try costs nothing).
+    # The lean path: auto (no override) on a numpy array, with as little Python as possible. Its
+    # route comes from the group's cache of _route's decisions (_lean); a flag exchange runs
+    # right here, since at 1 KiB a helper's Python costs more than the exchange itself. While
+    # ranks have joined it is skipped; a failed agreement check may mean that ranks have just
+    # joined (_after_mismatch; try costs nothing).
     try:
         if (type(g) is Group and algorithm == "auto" and type(x) is np.ndarray and _ENV_CHOICE["value"] == "auto"
                 and not g.joined):
-            small = g.small_shm
-            if small:
-                if _ASYNC_WORKER["w"] is not None:
-                    asyncq.drain()
-                if 0 < x.nbytes <= small:
-                    code = _FAST_DTYPES.get(x.dtype)
-                    ops = _SMALL_OP.get(op)
-                    if code is not None and ops is not None:
-                        g.seq += 1
-                        header = shmsync.HEADER.pack(
-                            g.seq, 0, ops[0], code, x.size if x.ndim == 1 else guard.count_word(x.shape, x.size),
-                            _SHM, 0, 0) if _CHECKS["on"] else None
-                        dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
-                        try:
-                            status = g.node_flags.ctx.exchange(header, x, code, ops[1], dog.timeout)
-                        except (BufferError, ValueError):  # numpy: not C-contiguous / read-only; the general
-                            g.seq -= 1                     # path says what to do (the exchange refused the
-                            status = -1                    # buffer before it touched a flag)
-                        if status == 0:
-                            return x
-                        if status > 0:
-                            _exchange_failed(g, x, op, status, dog)
-                            return x
-                return x if _lean_allreduce_(g, x, op) else _allreduce(x, op, algorithm, g, inplace=True)
+            if _ASYNC.started:
+                asyncq.drain()
+            lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            if lean.flags:
+                g.seq += 1
+                header = _PACK(g.seq, 0, lean.red, lean.code, x.size if x.ndim == 1 else guard.count_word(
+                    x.shape, x.size), _SHM, 0, 0) if _CHECKS.on else None  # _flag_header, inlined
+                dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
+                try:
+                    status = g.node_flags.ctx.exchange(header, x, lean.code, lean.kop, dog.timeout)
+                except (BufferError, ValueError):  # numpy: not C-contiguous / read-only; the general
+                    g.seq -= 1                     # path says what to do (the exchange refused the
+                    status = -1                    # buffer before it touched a flag)
+                if status == 0:
+                    return x
+                if status > 0:
+                    _exchange_failed(g, x, op, status, dog)
+                    return x
+            elif lean.route is not None and _run_lean(g, x, op, lean):
+                return x
+            return _allreduce(x, op, algorithm, g, inplace=True)
         g = _sync_start(group)
-        if (g.small_shm and algorithm == "auto" and type(x) is np.ndarray and not g.joined
-                and (_ENV_CHOICE["value"] or requested_algorithm("auto")) == "auto" and _lean_allreduce_(g, x, op)):
-            return x
+        if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
+            lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            if lean.route is not None and _run_lean(g, x, op, lean):
+                return x
     except CollectiveMismatchError as e:
         return _after_mismatch(e, x, op, g, inplace=True)
     return _allreduce(x, op, algorithm, g, inplace=True)
@@ -182,49 +195,155 @@ _FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
                 if DTYPE_CODES[name] in shmsync.FAST_DTYPES}
 _FAST_DTYPE_NAMES = {dtype: dtype.name for dtype in _FAST_DTYPES}  # dtype.name costs µs per call
 _HEADER_OP = {op: guard.reduction_index(op) for op in shmsync.OP_CODES}
-_SMALL_OP = {op: (guard.reduction_index(op), code) for op, code in shmsync.OP_CODES.items()}  # (header, kernel)
+_KERNEL_OP = shmsync.OP_CODES
+_PACK = shmsync.HEADER.pack
+_ALLREDUCE = guard.operation_index("allreduce")
 _SHM = guard.algorithm_index("shm")
-_CHECKS = guard._enabled  # guard.checks_enabled() without the call, on the lean paths
 _AUTO = guard.algorithm_index("auto")
 _INT64 = DTYPE_CODES["int64"]
 _SUM = shmsync.OP_CODES["sum"]
+_LEAN_KINDS = ("flags", "piped", "tuned")  # the lean path runs these; the rest gain nothing from skipping checks
+_LEAN_CACHE_ENTRIES = 4096  # (size, dtype, op) a program all-reduces are few; bound the cache anyway
 
 
-def _lean_allreduce_(g: Group, x: np.ndarray, op: str) -> bool:
-    """``auto`` on a one-node group with shared-memory flags, for a private numpy array, with
-    the least Python: the flag exchange up to ``g.small_shm`` bytes; above it the run-time
-    choice (``_tuned_allreduce_``) or, with tuning off, the piped shared-memory all-reduce
-    below LARGE_RING_BYTES (agreement check on its first flag). Makes the same choice and the
-    same agreement header as the general path; False (nothing done) when ``x`` does not
-    qualify or lives in a shared buffer."""
-    nbytes = x.nbytes
-    if nbytes <= g.small_shm:
-        return _small_allreduce_(g, x, op)
-    code = _FAST_DTYPES.get(x.dtype)
-    if (code is None or not g.node_flags.pipes(nbytes) or g.shared_buffers
-            or op not in _HEADER_OP or not x.flags.c_contiguous or not x.flags.writeable):
+def _flag_header(seq: int, op: str, code: int, word: int, algorithm: int) -> Optional[bytes]:
+    """The agreement header that rides on a flag exchange or on the piped path's first flag
+    (``guard.make_header``'s fields, packed), or None with the check off. ``allreduce_``'s
+    flag exchange packs the same fields inline."""
+    return _PACK(seq, _ALLREDUCE, _HEADER_OP[op], code, word, algorithm, 0, 0) if _CHECKS.on else None
+
+
+class _Lean:
+    """The lean path's entry for one (size, dtype, op) of a private numpy array with ``auto``:
+    ``route`` (``_route``'s decision; None: the general path runs the call), ``flags``: a flag
+    exchange whatever buffer holds the data (run inline by ``allreduce_``), the header's
+    reduction index, the kernels' dtype and op codes."""
+
+    __slots__ = ("route", "flags", "red", "code", "kop", "dtype_name")
+
+    def __init__(self, route: Optional[plan.Route], flags: bool = False, red: int = 0, code: int = 0,
+                 kop: int = 0, dtype_name: str = "") -> None:
+        self.route, self.flags, self.red, self.code, self.kop, self.dtype_name = (
+            route, flags, red, code, kop, dtype_name)
+
+
+_GENERAL = _Lean(None)
+
+
+def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
+    """Decide (``_route``) and cache on ``g`` the lean path's entry for an ``auto`` all-reduce of
+    a private numpy array; the lean path looks it up, so both paths make one decision and send
+    one agreement header (tests/mpi/test_comm_dispatch.py checks them against each other)."""
+    entry = _GENERAL
+    code = _FAST_DTYPES.get(dtype)
+    if code is not None and op in _KERNEL_OP:
+        name = _FAST_DTYPE_NAMES[dtype]
+        route = _route(g, nbytes, name, "auto", False)
+        if route.kind in _LEAN_KINDS:
+            anywhere = route.kind == "flags" and _route(g, nbytes, name, "auto", True) == route
+            entry = _Lean(route, anywhere, _HEADER_OP[op], code, _KERNEL_OP[op], name)
+    if len(g.lean_routes) >= _LEAN_CACHE_ENTRIES:
+        g.lean_routes.clear()
+    g.lean_routes[(nbytes, dtype, op)] = entry
+    return entry
+
+
+def _run_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> bool:
+    """Run ``lean.route`` on ``x`` in place; False (nothing done) when ``x`` is not a private,
+    contiguous, writable array (the general path then checks it and routes it)."""
+    if not (x.flags.c_contiguous and x.flags.writeable) or (g.shared_buffers and _find_shared(g, x) is not None):
         return False
-    if not g.autotune and nbytes >= plan.LARGE_RING_BYTES:
-        return False
-    what = lambda algo: (  # noqa: E731 - built only for a stall report
-        f"allreduce({op}, {x.dtype}, {x.size} elements, {algo}) [collective #{g.seq}] on {g.name}")
-    if g.autotune:
-        candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
-        _tuned_allreduce_(g, x, op, _FAST_DTYPE_NAMES[x.dtype], code, x.size, candidates, what, shape=x.shape)
-        return True
-    g.seq += 1
-    header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, guard.count_word(x.shape, x.size), _SHM, 0, 0)
-              if _CHECKS["on"] else None)
-    g.node_flags.allreduce_piped(x, code, op, g.size, header, _world_state["watchdog"], lambda: what("shm"),
-                                 g.describe_ranks, g, x.shape)
+    _execute(g, lean.route, x, x, op, lean.dtype_name, x.shape)
     return True
 
 
-def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count: int, candidates: Tuple[str, ...],
-                      what, nbytes: Optional[int] = None, shape=None) -> None:
+def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
+    """The general all-reduce; ``shape``: what the ranks agree on, when not ``x``'s own (a
+    grouped call's list of shapes, or ``guard.named_shape``). While ranks have joined, or when
+    the agreement check finds that they just did, the joined ranks add zeros (joining.py)."""
+    if g.joined:
+        return _joined_allreduce(x, op, g, inplace, shape)
+    try:
+        return _allreduce_now(x, op, algorithm, g, inplace, shape)
+    except CollectiveMismatchError as e:
+        return _after_mismatch(e, x, op, g, inplace, shape)
+
+
+def _allreduce_now(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
+    """Check, route, execute."""
+    check_op(op)
+    if device.on_device(x):  # MPI reads device memory itself: its own collective, no host kernels
+        return device.allreduce(g, x, op, inplace)
+    flat = flatten(x, writable=inplace, what="allreduce")
+    _check_reducible(op, flat.dtype_name, flat.array)
+    src = flat.array
+    shared = _find_shared(g, src) if inplace else None
+    route = _route(g, src.nbytes, flat.dtype_name, requested_algorithm(algorithm), shared is not None)
+    out = src if inplace else (np.empty_like(src) if route.kind in ("shm", "hierarchical") else src.copy())
+    _execute(g, route, src, out, op, flat.dtype_name, flat.shape if shape is None else shape, shared)
+    return x if inplace else rebuild(flat, out)
+
+
+def _check_reducible(op: str, dtype_name: str, arr: np.ndarray) -> None:
+    if op in ("min", "max") and arr.dtype.kind == "c":
+        raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {dtype_name}.\n"
+                         "HINT: reduce the real and imaginary parts (or the magnitudes) separately")
+
+
+def _execute(g: Group, route: plan.Route, src, out, op: str, dtype_name: str, shape, shared=None) -> None:
+    """Run ``route`` (``_route``'s decision): reduce ``src`` into ``out`` (the same array in
+    place; a window route reads ``src`` and writes ``out``, every other copies first). For the
+    piped and tuned routes ``out`` may be a list of arrays of one dtype, reduced as their
+    concatenation (``src`` then is ``out``). ``shared``: (buffer, offset) of data in a shared
+    buffer; ``shape``: what the ranks agree on."""
+    kind = route.kind
+    if out is not src and kind not in ("shm", "hierarchical"):
+        np.copyto(out, src)
+    parts = out if isinstance(out, list) else [out]
+    count = sum(a.size for a in parts)
+    word = guard.count_word(shape, count)
+    extra = shared[1] + 1 if shared else 0
+    code = shmsync.kernel_dtype_code(dtype_name)
+    dog = watchdog()
+    what = lambda algo=route.algorithm: guard.describe_header(  # noqa: E731 - built only for a stall report
+        guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, extra)) + f" on {g.name}"
+    if kind == "tuned":  # several algorithms qualify: local rank 0 picks at run time (tuning.py)
+        _tuned_allreduce_(g, out, op, dtype_name, code, word, route.candidates, what,
+                          sum(a.nbytes for a in parts), shape)
+        return
+    if kind == "flags" or kind == "piped":  # the agreement header rides on the (first) flag
+        g.seq += 1
+        header = _flag_header(g.seq, op, code, word, _SHM)
+        if kind == "piped":
+            g.node_flags.allreduce_piped(out, code, op, g.size, header, dog, what, g.describe_ranks, g, shape)
+            return
+        status = g.node_flags.ctx.exchange(header, out, code, _KERNEL_OP[op], dog.timeout)
+        if status:
+            _exchange_failed(g, out, op, status, dog, shape)
+        return
+    if _CHECKS.on:
+        guard.agree(g, guard.make_header(0, "allreduce", op, dtype_name, word, route.algorithm, extra), dog, shape)
+    else:
+        g.seq += 1
+    if kind == "zero-copy":
+        algorithms.shm_zero_copy_(g, shared[0], shared[1], out.size, op, dtype_name, dog, what,
+                                  cross=route.algorithm == "hierarchical", arrived=bool(g.small_shm) and _CHECKS.on)
+    elif kind == "shm" or kind == "hierarchical":
+        algorithms.shm_(g, src, out, op, dtype_name, dog, what, cross=kind == "hierarchical", shape=shape)
+    elif kind == "local":
+        finish_average(out, 1, dtype_name)
+    elif kind == "ring":
+        algorithms.ring_(g.ring_comm, out, op, dtype_name, dog, what, describe=lambda r: g.describe_ranks([r]))
+    else:
+        with dog.watch(what, _all_ranks(g)):
+            algorithms.native_(g.comm, out, op, dtype_name)
+
+
+def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: int, candidates: Tuple[str, ...],
+                      what, nbytes: int, shape=None) -> None:
     """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
-    concatenation: ``count`` elements, ``nbytes`` in all) in place with the algorithm the
-    group's local rank 0 picks among ``candidates`` (``tuning.Tuner``).
+    concatenation: ``nbytes`` in all, ``word`` the header's count word) in place with the
+    algorithm the group's local rank 0 picks among ``candidates`` (``tuning.Tuner``).
 
     Local rank 0 decides for a run of calls of this size class (``Tuner.choose_run``) and
     sends the choice and the run's length in one flag exchange that is also the agreement
@@ -234,18 +353,17 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, count:
     exchange in front of each piped call would line the ranks up and cost ~9 µs of
     pipelining at 1 MiB. So runs longer than one call are taken only for the piped path (or
     with the agreement check off); local rank 0 times every call for its tuner. ``what(algo)``:
-    the call, described for a stall report; ``shape``: the caller's (folded into the header)."""
+    the call, described for a stall report; ``shape``: the caller's, named if the check fails."""
     flags = g.node_flags
     dog = _world_state["watchdog"]
     g.seq += 1
-    key = (tuning.size_class(out.nbytes if nbytes is None else nbytes), candidates)
+    key = (tuning.size_class(nbytes), candidates)
     deciding = flags.rank == 0
     run = g.tuned_runs.get(key)
     # timed from before the exchange: its wait holds the skew the previous call (the same
     # algorithm, unless it just switched, which the tuner does not believe) left between ranks
     start = time.perf_counter()
-    header = (shmsync.HEADER.pack(g.seq, 0, _HEADER_OP[op], code, count if shape is None else guard.count_word(
-        shape, count), _AUTO, 0, 0) if _CHECKS["on"] else None)
+    header = _flag_header(g.seq, op, code, word, _AUTO)
     if run is not None and run[1] > 0:  # inside a run (the piped path, or checks off): no exchange,
         run[1] -= 1                     # the piped path checks the header on its first flag
         algo = candidates[run[0]]
@@ -282,7 +400,7 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
         if g.tuner is None:
             g.tuner = tuning.Tuner()
         name, calls = g.tuner.choose_run(key, candidates, TUNED_RUN_CALLS)
-        if not (name == "shm" or not _CHECKS["on"]):
+        if not (name == "shm" or not _CHECKS.on):
             calls = 1  # other algorithms check agreement in this exchange, every call
         choice[0] = 1 + candidates.index(name) + _RUN_SHIFT * (min(max(calls, 1), TUNED_RUN_CALLS) - 1)
     else:
@@ -311,110 +429,13 @@ def _exchange_failed(g: Group, x: np.ndarray, op: str, status: int, dog, shape=N
                        x.shape if shape is None else shape)
 
 
-def _small_allreduce_(g: Group, x: np.ndarray, op: str, shape=None) -> bool:
-    """The lean path of a small all-reduce on one node (one flag exchange, ~1 µs of Python):
-    False, having done nothing, when ``x`` does not qualify — the general path then runs
-    (and picks the same algorithm, so ranks on either path still agree). Every call costs
-    here (4 KiB takes ~4 µs in all): keep it flat. ``shape``: the caller's, when ``x`` is a
-    flat view of it (the header carries its code)."""
-    code = _FAST_DTYPES.get(x.dtype)
-    ops = _SMALL_OP.get(op)
-    if code is None or ops is None or not 0 < x.nbytes <= g.small_shm or not x.flags.c_contiguous:
-        return False
-    g.seq += 1
-    if shape is None:
-        shape = x.shape
-    header = (shmsync.HEADER.pack(g.seq, 0, ops[0], code, x.size if len(shape) == 1 and type(shape[0]) is int
-                                  else guard.count_word(shape, x.size), _SHM, 0, 0) if _CHECKS["on"] else None)
-    flags = g.node_flags
-    dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
-    status = flags.ctx.exchange(header, x, code, ops[1], dog.timeout)
-    if status:
-        _exchange_failed(g, x, op, status, dog, shape)
-    return True
-
-
-def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
-    """The general all-reduce; ``shape``: what the ranks agree on, when not ``x``'s own (a
-    grouped call's list of shapes)."""
-    if g.joined:
-        return _joined_allreduce(x, op, g, inplace, shape)
-    try:
-        return _allreduce_now(x, op, algorithm, g, inplace, shape)
-    except CollectiveMismatchError as e:
-        return _after_mismatch(e, x, op, g, inplace, shape)
-
-
-def _allreduce_now(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
-    check_op(op)
-    if device.on_device(x):  # MPI reads device memory itself: its own collective, no host kernels
-        return device.allreduce(g, x, op, inplace)
-    flat = flatten(x, writable=inplace, what="allreduce")
-    shape = flat.shape if shape is None else shape
-    word = guard.count_word(shape, flat.array.size)
-    if op in ("min", "max") and flat.array.dtype.kind == "c":
-        raise ValueError(f"allreduce: op {op!r} is not defined for complex dtype {flat.dtype_name}")
-    shared = _find_shared(g, flat.array) if inplace else None
-    small = _small_shm(g, flat.dtype_name)
-    requested = requested_algorithm(algorithm)
-    algo = plan.choose_algorithm(flat.array.nbytes, g.topology, requested, shared is not None, small)
-    dog = watchdog()
-    src = flat.array
-    tuned = (plan.tuning_candidates(src.nbytes, g.topology, small, algorithms.pipes(g, src.nbytes, flat.dtype_name))
-             if requested == "auto" and shared is None and g.autotune else ())
-    if tuned:  # several algorithms qualify: local rank 0 picks at run time (tuning.py)
-        out = src if inplace else src.copy()
-        _tuned_allreduce_(g, out, op, flat.dtype_name, shmsync.kernel_dtype_code(flat.dtype_name), src.size, tuned,
-                          lambda a: guard.describe_header(guard.make_header(
-                              g.seq, "allreduce", op, flat.dtype_name, word, a, 0)) + f" on {g.name}", shape=shape)
-        return x if inplace else rebuild(flat, out)
-    if algo == "shm" and 0 < src.nbytes <= small:  # one flag exchange, agreement check included
-        out = src if inplace else src.copy()
-        if not _small_allreduce_(g, out, op, shape):
-            raise AssertionError("small shared-memory all-reduce refused a qualifying array")
-        return x if inplace else rebuild(flat, out)
-    extra = shared[1] + 1 if shared else 0
-    # the piped path carries the agreement header on its first flag, as the lean path does
-    piped = shared is None and algo == "shm" and algorithms.pipes(g, src.nbytes, flat.dtype_name)
-    header = None
-    if guard.checks_enabled() and not piped:
-        guard.agree(g, guard.make_header(0, "allreduce", op, flat.dtype_name, word, algo, extra), dog, shape)
-    else:
-        g.seq += 1
-        if guard.checks_enabled():
-            header = shmsync.HEADER.pack(
-                *guard.make_header(g.seq, "allreduce", op, flat.dtype_name, word, algo, extra).tolist(), 0)
-    what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
-        guard.make_header(g.seq, "allreduce", op, flat.dtype_name, word, algo, extra)) + f" on {g.name}"
-    if shared is not None and algo in ("shm", "hierarchical") and src.size:
-        sbuf, offset = shared
-        algorithms.shm_zero_copy_(g, sbuf, offset, src.size, op, flat.dtype_name, dog, what,
-                                  cross=algo == "hierarchical",
-                                  arrived=bool(g.small_shm) and guard.checks_enabled())
-    elif algo in ("shm", "hierarchical") and src.size:
-        out = src if inplace else np.empty_like(src)
-        algorithms.shm_(g, src, out, op, flat.dtype_name, dog, what, cross=algo == "hierarchical", header=header,
-                        shape=shape)
-    else:
-        out = src if inplace else src.copy()
-        if g.size == 1 or not out.size:
-            finish_average(out, 1, flat.dtype_name)
-        elif algo == "ring":
-            algorithms.ring_(g.ring_comm, out, op, flat.dtype_name, dog, what, describe=lambda r: g.describe_ranks([r]))
-        else:
-            with dog.watch(what, _all_ranks(g)):
-                algorithms.native_(g.comm, out, op, flat.dtype_name)
-    return x if inplace else rebuild(flat, out)
-
-
 def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group] = None) -> List[Any]:
     """In-place all-reduce of several numpy arrays / contiguous CPU tensors of one dtype as
     one fused collective (their concatenation); returns ``xs``.
 
     On one node with shared-memory flags the buffers stream through the flag slots where they
     lie (no fusion buffer to copy into and out of: how the DistributedOptimizer reduces
-    gradient buckets); elsewhere they are concatenated, reduced by ``allreduce_`` and copied
-    back."""
+    gradient buckets); elsewhere they are concatenated, reduced and copied back."""
     g = _sync_start(group)
     check_op(op)
     flats = [flatten(x, writable=True, what="grouped_allreduce_") for x in xs]
@@ -423,40 +444,31 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
         raise ValueError(f"grouped_allreduce_: every array must have the same dtype, got {sorted(names)}.\n"
                          "HINT: reduce each dtype in its own call")
     name = names.pop() if names else "float32"
-    total = sum(f.array.size for f in flats)
-    code = shmsync.kernel_dtype_code(name)
-    nbytes = total * (flats[0].array.itemsize if flats else 4)
-    requested = requested_algorithm("auto")
+    arrays = [f.array for f in flats]
+    if arrays:
+        _check_reducible(op, name, arrays[0])
+    nbytes = sum(a.nbytes for a in arrays)
     shape = guard.grouped_shape([f.shape for f in flats])
-    piped = g.small_shm and algorithms.pipes(g, nbytes, name) and op in _HEADER_OP
-    what = lambda algo: (  # noqa: E731 - built only for a stall report
-        f"grouped_allreduce({op}, {name}, {len(flats)} arrays, {total} elements, {algo}) [collective #{g.seq}] on {g.name}")
+    route = None if g.joined else _route(g, nbytes, name, requested_algorithm("auto"), False)
     agreed = False
-    try:
-        if piped and requested == "auto" and g.autotune and not g.joined:  # local rank 0 picks at run time
-            candidates = plan.tuning_candidates(nbytes, g.topology, g.small_shm, True)
-            _tuned_allreduce_(g, [f.array for f in flats], op, name, code, total, candidates, what, nbytes, shape)
+    if route is not None:
+        try:
+            if route.kind in ("piped", "tuned"):  # streamed (or fused by the tuned path) where they lie
+                _execute(g, route, arrays, arrays, op, name, shape)
+                return list(xs)
+            concat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.float32)
+            _execute(g, route, concat, concat, op, name, shape)
+            _scatter_back(concat, arrays)
             return list(xs)
-        if piped and (requested == "shm" or requested == "auto" and nbytes < plan.LARGE_RING_BYTES) and not g.joined:
-            g.seq += 1
-            header = (shmsync.HEADER.pack(*guard.make_header(g.seq, "allreduce", op, name,
-                                                             guard.count_word(shape, total), "shm", 0).tolist(), 0)
-                      if guard.checks_enabled() else None)
-            g.node_flags.allreduce_piped([f.array for f in flats], code, op, g.size, header, _world_state["watchdog"],
-                                         lambda: what("shm"), g.describe_ranks, g, shape)
-            return list(xs)
-    except CollectiveMismatchError as e:
-        if not joining.ranks_joined(g, e):
-            raise
-        agreed = True  # ranks have joined: redo below, the joined ranks adding zeros
-    concat = (np.concatenate([f.array for f in flats]) if flats
-              else np.empty(0, dtype=np.uint16 if name == "bfloat16" else name))
-    fused = rebuild(Flat(concat, (total,), name, any(f.is_torch for f in flats)), concat)
-    if agreed:
-        _joined_allreduce(fused, op, g, True, shape, agreed=True)
-    else:
-        _allreduce(fused, op, "auto", g, inplace=True, shape=shape)
-    _scatter_back(concat, [f.array for f in flats])
+        except CollectiveMismatchError as e:
+            if not joining.ranks_joined(g, e):
+                raise
+            agreed = True  # ranks have joined: redo below, the joined ranks adding zeros
+    # ranks have joined: over MPI, the joined ranks adding zeros (the arrays are as they were:
+    # a failed agreement check comes before any data moves)
+    concat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.float32)
+    joining.allreduce_(g, concat, op, name, shape, watchdog(), agreed)
+    _scatter_back(concat, arrays)
     return list(xs)
 
 

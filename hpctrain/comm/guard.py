@@ -26,9 +26,23 @@ from .plan import ALGORITHMS
 
 _TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
 HEADER_LEN = 7
+
+
+class Checks:
+    """Whether the agreement check runs (``on``), read by the collectives on every call: an
+    attribute, not a function, because the smallest all-reduces cost about a microsecond.
+    Change it with ``set_checks`` (or HPCTRAIN_CHECK_COLLECTIVES), never by assignment."""
+
+    __slots__ = ("on", "chosen")
+
+    def __init__(self) -> None:
+        self.on = True
+        self.chosen = False  # set_checks() decided: the setting no longer applies
+
+
 # From HPCTRAIN_CHECK_COLLECTIVES at comm.init() (not at import: a bad value is an error at
 # init, never at import), unless set_checks() chose first.
-_enabled = {"on": True, "chosen": False}
+CHECKS = Checks()
 
 _OP_NAMES = ["allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier",
              "broadcast_object", "allgather_object", "grouped_allreduce", "adasum", "join", "invalid_call"]
@@ -39,23 +53,24 @@ _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
 def set_checks(enabled: bool) -> None:
     """Turn the per-collective agreement check on or off (on by default)."""
-    _enabled["on"] = bool(enabled)
-    _enabled["chosen"] = True
+    CHECKS.on = bool(enabled)
+    CHECKS.chosen = True
 
 
 def load_setting() -> None:
     """HPCTRAIN_CHECK_COLLECTIVES, unless ``set_checks`` chose already (called by init)."""
-    if not _enabled["chosen"]:
-        _enabled["on"] = settings.rc.check_collectives
+    if not CHECKS.chosen:
+        CHECKS.on = settings.rc.check_collectives
 
 
 def checks_enabled() -> bool:
-    return _enabled["on"]
+    """Whether the agreement check runs (``CHECKS.on``)."""
+    return CHECKS.on
 
 
 def agree_or_count(group, header_fn, dog) -> None:
     """``agree`` when checks are on (``header_fn()`` builds the header only then)."""
-    if _enabled["on"]:
+    if CHECKS.on:
         agree(group, header_fn(), dog)
     else:
         group.seq += 1
@@ -64,6 +79,10 @@ def agree_or_count(group, header_fn, dog) -> None:
 _OP_INDEX = {name: i for i, name in enumerate(_OP_NAMES)}
 _RED_INDEX = {name: i for i, name in enumerate(_RED_NAMES)}
 _ALGO_INDEX = {name: i for i, name in enumerate(_ALGO_NAMES)}
+
+
+def operation_index(name: str) -> int:
+    return _OP_INDEX[name]
 
 
 def reduction_index(op: str) -> int:
@@ -183,7 +202,7 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
     ``shape``: this rank's shape (whose code the header's count word holds), named in the
     error when the ranks' shapes differ."""
     group.seq += 1
-    if not _enabled["on"] or group.size == 1:
+    if not CHECKS.on or group.size == 1:
         return
     header[0] = group.seq
     what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report

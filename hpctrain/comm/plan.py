@@ -1,4 +1,5 @@
-"""Pure planning for collectives: ring chunks and peers, topology, algorithm choice.
+"""Pure planning for collectives: ring chunks and peers, topology, algorithm choice and the
+all-reduce route.
 
 Nothing here talks to MPI; every function takes rank and size as arguments so that one
 process can build every rank's view in a unit test.
@@ -284,3 +285,62 @@ def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bo
         ring_too = topology.size >= RING_CANDIDATE_RANKS and nbytes >= RING_CANDIDATE_BYTES
         return ("shm", "native", "ring") if ring_too else ("shm", "native")
     return ("ring", "shm", "native") if pipes else ("ring", "native")
+
+
+# --------------------------------------------------------------------------- all-reduce route
+# How an all-reduce runs, one kind per executor branch (collectives._execute):
+#   local      one rank, or nothing to reduce: no data moves (the agreement check still runs)
+#   flags      one flag exchange on one node (data up to the flag slot), agreement included
+#   tuned      local rank 0 picks among ``candidates`` at run time (tuning.py)
+#   piped      a private buffer streamed through the flag slots, agreement on its first flag
+#   zero-copy  data already in a shared buffer, reduced in the window (``algorithm`` shm or
+#              hierarchical: the latter with a ring across nodes)
+#   shm / hierarchical   through a whole-buffer window (no flag kernels, or several nodes)
+#   ring / native        the ring in C, or MPI_Allreduce
+ROUTE_KINDS = ("local", "flags", "tuned", "piped", "zero-copy", "shm", "hierarchical", "ring", "native")
+
+
+@dataclass(frozen=True)
+class Route:
+    """The path one all-reduce takes; ``algorithm``: the name its agreement header carries
+    ("auto" for a run-time choice), the same on every rank that takes this route."""
+
+    kind: str
+    algorithm: str
+    candidates: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTE_KINDS:
+            raise ValueError(f"unknown route kind {self.kind!r}; valid: {', '.join(ROUTE_KINDS)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r} in a route; valid: {', '.join(ALGORITHMS)}")
+        if (self.kind == "tuned") != bool(self.candidates):
+            raise ValueError(f"a {self.kind} route with candidates {self.candidates!r}: only 'tuned' has them")
+
+
+def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: bool = False, small_shm: int = 0,
+          pipes: bool = False, autotune: bool = False) -> Route:
+    """The route of an all-reduce of ``nbytes`` on ``topology``: the one decision every path of
+    ``collectives`` takes (the general one and the lean one for small numpy arrays).
+
+    ``requested``: the caller's algorithm after the HPCTRAIN_ALLREDUCE override; ``shared``:
+    the data lives in a shared buffer; ``small_shm``: the largest flag exchange for this dtype
+    (0: none); ``pipes``: the piped path takes this size and dtype; ``autotune``: the group's
+    run-time choice is on. Every argument agrees across the ranks of a group, so every rank
+    takes the same route and sends the same agreement header.
+    """
+    algo = choose_algorithm(nbytes, topology, requested, shared, small_shm)
+    if requested == "auto" and autotune and not shared:
+        candidates = tuning_candidates(nbytes, topology, small_shm, pipes)
+        if candidates:
+            return Route("tuned", "auto", candidates)
+    if algo == "shm" and 0 < nbytes <= small_shm:
+        return Route("flags", "shm")
+    if topology.size == 1 or nbytes == 0:
+        return Route("local", algo)
+    if algo in ("shm", "hierarchical"):
+        if shared:
+            return Route("zero-copy", algo)
+        if algo == "shm" and pipes:
+            return Route("piped", "shm")
+    return Route(algo, algo)

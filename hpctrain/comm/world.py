@@ -82,6 +82,8 @@ class Group:
         self.tuner = None
         self.tuned_choice = np.zeros(1, dtype=np.int64)
         self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)
+        # the lean all-reduce path's decisions, (nbytes, dtype, op) -> collectives._Lean (collectives._lean)
+        self.lean_routes: dict = {}
         # Ranks that called join() and now stand in for zeros in the others' all-reduces, in
         # the order they joined (the same list on every rank: read from shared agreement
         # headers); empty outside a join (comm/joining.py).
@@ -112,6 +114,7 @@ class Group:
             self.node_flags.free()
             self.node_flags = None
             self.small_shm = 0
+            self.lean_routes = {}  # decided with the flags
         for c in (self.ring_comm, self.p2p_comm, self.ctl_comm, self.node_comm, self.cross_comm, self.cross_ring_comm):
             try:
                 c.Free()

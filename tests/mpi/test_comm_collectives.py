@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from hpctrain import comm
+from hpctrain.comm import plan
 from require import skip_or_fail
 
 RANKS = (1, 2, 3, 4)
@@ -335,10 +336,11 @@ def test_grouped_allreduce_bfloat16_and_errors():
 class CyclingTuner:
     """Stands in for local rank 0's tuner: runs every candidate in turn, so that each call
     takes another algorithm and a rank that did not follow the choice would deadlock or differ.
-    It asks for runs of 1, 3 and 2 calls in turn (taken only where no exchange is needed:
-    the piped path, or the check off), so ranks must also follow runs without an exchange."""
+    It asks for runs of 1, 3, 2 and 2 calls in turn (taken only where no exchange is needed:
+    the piped path, or the check off), so ranks must also follow runs without an exchange; a
+    cycle of four, so that among two or three candidates each is asked for runs longer than one."""
 
-    RUNS = (1, 3, 2)
+    RUNS = (1, 3, 2, 2)
 
     def __init__(self):
         self.ran = []
@@ -362,7 +364,7 @@ class CyclingTuner:
 CALLS = 12
 
 
-@pytest.mark.parametrize("length", [300_000, 9_000_000])  # candidates (shm, native); ≥ 32 MiB (ring, shm, native)
+@pytest.mark.parametrize("length", [300_000, 9_000_000])  # shm, native (and the ring from 3 ranks); ≥ 32 MiB: all three
 def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     g = comm.world()
     tuned = g.autotune
@@ -386,7 +388,9 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     finally:
         g.tuner = saved
     if tuned and g.node_flags.rank == 0:
-        expected = {"shm", "native"} if length * 4 < (32 << 20) else {"ring", "shm", "native"}
+        # the ring joins from RING_CANDIDATE_BYTES at RING_CANDIDATE_RANKS ranks (plan.tuning_candidates)
+        ring = N >= plan.RING_CANDIDATE_RANKS and length * 4 >= plan.RING_CANDIDATE_BYTES
+        expected = {"ring", "shm", "native"} if ring or length * 4 >= (32 << 20) else {"shm", "native"}
         assert set(stub.ran) == expected and len(stub.timings) == CALLS
         assert all(t > 0 for _, t in stub.timings)
         # every call reported, and runs of the piped path (only) went on without a decision
@@ -411,7 +415,8 @@ def test_tuner_learns_on_local_rank_0_only():
     counts = comm.tuned_counts(x.nbytes)
     deciding = g.autotune and g.node_flags.rank == 0
     if deciding:
-        assert set(counts) == {"shm", "native"} and all(counts.values())  # both tried
+        ring = N >= plan.RING_CANDIDATE_RANKS and x.nbytes >= plan.RING_CANDIDATE_BYTES  # a candidate from 3 ranks
+        assert set(counts) == {"shm", "native"} | ({"ring"} if ring else set()) and all(counts.values())  # all tried
         assert sum(counts.values()) - before == tuning.LEARNING_CALLS + 5
     else:
         assert counts == {}

@@ -390,3 +390,15 @@ def test_every_extension_is_built_with_wrapping_signed_overflow():
     extensions = re.findall(r"Extension\((.*?)optional=True\)", setup, re.S)
     assert flags and '"-fwrapv"' in flags.group(1)
     assert len(extensions) >= 3 and all("extra_compile_args=C11" in e for e in extensions)
+
+
+def test_the_extension_loads_whichever_module_is_imported_first():
+    """shmsync imported before the collectives (as comm.init() does in a script that imports
+    nothing else) still finds its extension: without it every group runs without flags."""
+    import subprocess
+    import sys
+
+    code = "import hpctrain.comm.shmsync as s, hpctrain.comm.mpiring as m; print(s._shmsync is not None, m._mpiring is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]

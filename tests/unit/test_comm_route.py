@@ -1,0 +1,140 @@
+"""plan.route: the one all-reduce decision (kind, header algorithm, run-time candidates), every
+branch, without MPI."""
+import pytest
+from hypothesis import given, strategies as st
+
+from hpctrain.comm import plan
+from hpctrain.comm.plan import LARGE_RING_BYTES as LARGE, Route
+
+ONE = plan.topology_from_keys(["a"])
+NODE2 = plan.topology_from_keys(["a", "a"])
+NODE3 = plan.topology_from_keys(["a", "a", "a"])
+TWO_NODES = plan.topology_from_keys(["a", "a", "b", "b"])
+UNEVEN = plan.topology_from_keys(["a", "a", "b"])
+SMALL = 256 * 1024  # the flag exchange's limit for a dtype its kernels take
+
+
+def r(nbytes, topo=NODE2, requested="auto", shared=False, small_shm=SMALL, pipes=None, autotune=False):
+    if pipes is None:  # as the flag slots answer: a piped call is larger than a flag exchange
+        pipes = bool(small_shm) and nbytes > small_shm
+    return plan.route(nbytes, topo, requested, shared=shared, small_shm=small_shm, pipes=pipes, autotune=autotune)
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+@pytest.mark.parametrize("nbytes,expected", [
+    (0, Route("local", "native")),                  # nothing to reduce: only the agreement check
+    (4, Route("flags", "shm")),                     # one element
+    (1024, Route("flags", "shm")),
+    (SMALL, Route("flags", "shm")),                 # the flag exchange's last size
+])
+def test_small_private_buffers_take_one_flag_exchange(nbytes, expected, autotune):
+    assert r(nbytes, autotune=autotune) == expected
+
+
+def test_above_the_flag_exchange_a_private_buffer_is_piped_or_tuned():
+    assert r(SMALL + 1) == Route("piped", "shm")
+    assert r(LARGE - 1) == Route("piped", "shm")
+    assert r(LARGE) == Route("ring", "ring")         # Open MPI's large-message algorithm degrades
+    assert r(SMALL + 1, autotune=True) == Route("tuned", "auto", ("shm", "native"))
+    assert r(LARGE - 1, autotune=True) == Route("tuned", "auto", ("shm", "native"))
+    assert r(LARGE, autotune=True) == Route("tuned", "auto", ("ring", "shm", "native"))
+    assert r(LARGE, pipes=False, autotune=True) == Route("tuned", "auto", ("ring", "native"))
+    assert r(1 << 20, NODE3, autotune=True) == Route("tuned", "auto", ("shm", "native", "ring"))
+
+
+def test_without_piping_the_fixed_thresholds_stand():
+    # slots too small to pipe (HPCTRAIN_SHM_SLOT_BYTES), tuning or not: the whole-buffer window
+    for autotune in (False, True):
+        assert r(SMALL + 1, pipes=False, autotune=autotune) == Route("shm", "shm")
+    assert r(LARGE, pipes=False) == Route("ring", "ring")
+
+
+def test_dtypes_without_kernels_go_to_mpi():
+    # small_shm 0 and no pipes: float16, bfloat16, complex, bool, or no C extension
+    for nbytes in (4, SMALL, SMALL + 1, LARGE - 1):
+        for autotune in (False, True):
+            assert r(nbytes, small_shm=0, autotune=autotune) == Route("native", "native")
+    assert r(LARGE, small_shm=0, autotune=True) == Route("ring", "ring")
+    assert r(0, small_shm=0) == Route("local", "native")
+
+
+def test_shared_buffers_go_zero_copy_and_never_tuned():
+    assert r(4, shared=True) == Route("flags", "shm")  # a flag exchange wherever the data lies
+    assert r(4, shared=True, small_shm=0) == Route("native", "native")
+    assert r(plan.SHARED_SMALL_BYTES - 1, shared=True, small_shm=0) == Route("native", "native")
+    assert r(plan.SHARED_SMALL_BYTES, shared=True, small_shm=0) == Route("zero-copy", "shm")
+    for autotune in (False, True):
+        assert r(SMALL + 1, shared=True, autotune=autotune) == Route("zero-copy", "shm")
+        assert r(LARGE, shared=True, autotune=autotune) == Route("zero-copy", "shm")
+    assert r(1 << 20, TWO_NODES, shared=True, small_shm=0) == Route("zero-copy", "hierarchical")
+    assert r(1 << 20, TWO_NODES, "ring", shared=True, small_shm=0) == Route("ring", "ring")
+    assert r(1 << 20, ONE, "shm", shared=True, small_shm=0) == Route("local", "shm")
+
+
+def test_requested_algorithms_are_kept_and_never_tuned():
+    for autotune in (False, True):
+        assert r(SMALL + 1, requested="native", autotune=autotune) == Route("native", "native")
+        assert r(4, requested="ring", autotune=autotune) == Route("ring", "ring")
+        assert r(4, requested="shm", autotune=autotune) == Route("flags", "shm")
+        assert r(SMALL + 1, requested="shm", autotune=autotune) == Route("piped", "shm")
+        assert r(LARGE, requested="shm", autotune=autotune) == Route("piped", "shm")
+        assert r(SMALL + 1, requested="hierarchical", autotune=autotune) == Route("piped", "shm")  # one node
+    assert r(4, requested="shm", small_shm=0) == Route("shm", "shm")  # the window: no flag kernels
+    assert r(0, requested="ring") == Route("local", "ring")
+
+
+def test_several_nodes():
+    cases = [(4, "auto", Route("native", "native")),
+             (plan.CROSS_NODE_SMALL_BYTES, "auto", Route("hierarchical", "hierarchical")),
+             (plan.CROSS_NODE_SMALL_BYTES, "shm", Route("hierarchical", "hierarchical")),
+             (4, "hierarchical", Route("hierarchical", "hierarchical"))]
+    for nbytes, requested, expected in cases:
+        for autotune in (False, True):  # never tuned across nodes; small_shm is 0 on several nodes
+            assert r(nbytes, TWO_NODES, requested, small_shm=0, pipes=False, autotune=autotune) == expected
+    assert r(1 << 20, UNEVEN, small_shm=0) == Route("ring", "ring")  # hierarchical needs even nodes
+    assert r(1 << 20, UNEVEN, "shm", small_shm=0) == Route("ring", "ring")
+
+
+@pytest.mark.parametrize("requested", ["auto", "ring", "native", "shm", "hierarchical"])
+def test_one_rank_moves_no_data(requested):
+    for nbytes in (0, 4, SMALL + 1, LARGE):
+        got = r(nbytes, ONE, requested, small_shm=0, pipes=False, autotune=True)
+        assert got.kind == "local" and got.algorithm == plan.choose_algorithm(nbytes, ONE, requested)
+
+
+@given(st.integers(0, 2 * LARGE), st.sampled_from([NODE2, NODE3, TWO_NODES, UNEVEN, ONE]),
+       st.sampled_from(plan.ALGORITHMS), st.booleans(), st.sampled_from([0, 4096, SMALL]), st.booleans(),
+       st.booleans())
+def test_route_agrees_with_the_fixed_choice_and_the_tuner(nbytes, topo, requested, shared, small, pipes, autotune):
+    """The header names choose_algorithm's pick, or auto exactly where tuning_candidates offers
+    a run-time choice; the kind follows from the algorithm."""
+    if not topo.single_node:
+        small = 0
+    got = plan.route(nbytes, topo, requested, shared=shared, small_shm=small, pipes=pipes, autotune=autotune)
+    fixed = plan.choose_algorithm(nbytes, topo, requested, shared, small)
+    candidates = plan.tuning_candidates(nbytes, topo, small, pipes)
+    if requested == "auto" and autotune and not shared and candidates:
+        assert got == Route("tuned", "auto", candidates)
+        return
+    assert got.algorithm == fixed and not got.candidates
+    if fixed == "shm" and 0 < nbytes <= small:
+        assert got.kind == "flags"
+    elif topo.size == 1 or nbytes == 0:
+        assert got.kind == "local"
+    elif shared and fixed in ("shm", "hierarchical"):
+        assert got.kind == "zero-copy"
+    elif fixed == "shm" and pipes:
+        assert got.kind == "piped"
+    else:
+        assert got.kind == fixed
+
+
+def test_a_route_validates_itself():
+    with pytest.raises(ValueError, match="unknown route kind 'fast'"):
+        Route("fast", "shm")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        Route("ring", "fast")
+    with pytest.raises(ValueError, match="only 'tuned'"):
+        Route("tuned", "auto")
+    with pytest.raises(ValueError, match="only 'tuned'"):
+        Route("ring", "ring", ("ring",))
