@@ -4,6 +4,7 @@ hand from published numbers (the JSON schema is in docs/scaling.md)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -38,10 +39,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
+        return math.prod(int(d) for d in self.shape)
 
 
 @dataclass(frozen=True)

@@ -136,14 +136,6 @@ class AdasumOptimizer(DistributedOptimizer):
                 group["params"] = params
         self._stepped[i] = True
 
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated before each local step."""
-        if int(passes) < 1:
-            raise ValueError(f"backward_passes_per_step={passes}: expected an integer >= 1")
-        with self._lock:
-            self.backward_passes_per_step = int(passes)
-            self._delay = [self.backward_passes_per_step] * len(self._params)
-
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the communication happens in ``step()`` (as in Horovod)."""
         self._check_alive("synchronize()")

@@ -27,6 +27,7 @@ buffer can come from any allocator: plain memory, or the node's shared-memory wi
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -82,10 +83,7 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
+        return math.prod(int(d) for d in self.shape)
 
     @property
     def itemsize(self) -> int:
