@@ -2,12 +2,18 @@
 
 Every rank must submit the same collectives in the same order (as for blocking ones); a
 blocking collective first waits for the queue to drain, so the two never interleave.
+
+Fusion (Horovod's tensor fusion for ``hvd.allreduce_async``): a job submitted with a
+:class:`Fusable` may run as one collective together with the fusable jobs of the same key
+queued right behind it. How many is agreed by the ranks (``Fusable.negotiate``: the smallest
+count queued on any rank), so every rank fuses the same jobs, in the same order, whatever
+its own queue held when its background thread got there.
 """
 from __future__ import annotations
 
-import queue
+import collections
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Deque, Hashable, List, Optional, Sequence, Tuple
 
 
 class Handle:
@@ -37,36 +43,124 @@ class Handle:
         self._event.set()
 
 
+class Fusable:
+    """What makes a queued job fusable with its neighbours.
+
+    ``key``: jobs fuse only with consecutive jobs of an equal key (same group, op, dtype);
+    ``nbytes``: the job's payload, counted against the fusion threshold; ``item``: what
+    ``run_many`` receives for this job; ``run_many(items)``: run the fused collective, return
+    one result per item; ``negotiate(count)``: a collective every rank of the group calls at
+    the same point of its queue, returning the count all ranks can fuse (1 ≤ result ≤ count)."""
+
+    __slots__ = ("key", "nbytes", "item", "run_many", "negotiate")
+
+    def __init__(self, key: Hashable, nbytes: int, item: Any,
+                 run_many: Callable[[List[Any]], Sequence[Any]], negotiate: Callable[[int], int]) -> None:
+        self.key, self.nbytes, self.item, self.run_many, self.negotiate = key, nbytes, item, run_many, negotiate
+
+
+_Job = Tuple[Handle, Callable[[], Any], Optional[Fusable]]
+
+
 class _Worker:
     def __init__(self) -> None:
-        self._queue: "queue.Queue" = queue.Queue()
+        self._jobs: Deque[_Job] = collections.deque()
         self._pending = 0
-        self._idle = threading.Condition()
+        self._cond = threading.Condition()
+        self.fused_calls = 0  # collectives that ran several fused jobs (tests and the timeline read it)
         self._thread = threading.Thread(target=self._run, name="hpctrain-collectives", daemon=True)
         self._thread.start()
 
-    def submit(self, name: str, fn: Callable[[], Any]) -> Handle:
+    def submit(self, name: str, fn: Callable[[], Any], fuse: Optional[Fusable] = None) -> Handle:
         handle = Handle(name)
-        with self._idle:
+        with self._cond:
             self._pending += 1
-        self._queue.put((handle, fn))
+            self._jobs.append((handle, fn, fuse))
+            self._cond.notify_all()
         return handle
 
     def drain(self) -> None:
-        with self._idle:
+        with self._cond:
             while self._pending:
-                self._idle.wait()
+                self._cond.wait()
+
+    def _next(self) -> _Job:
+        with self._cond:
+            while not self._jobs:
+                self._cond.wait()
+            return self._jobs.popleft()
+
+    def _fusable_behind(self, first: Fusable) -> int:
+        """How many jobs queued right now, counting ``first``, could fuse with it."""
+        limit = fusion_threshold()
+        count, total = 1, first.nbytes
+        with self._cond:
+            for _, _, fuse in self._jobs:
+                if fuse is None or fuse.key != first.key or total + fuse.nbytes > limit:
+                    break
+                count, total = count + 1, total + fuse.nbytes
+        return count
 
     def _run(self) -> None:
         while True:
-            handle, fn = self._queue.get()
-            try:
-                handle._finish(fn())
-            except BaseException as exc:  # delivered to whoever waits on the handle
-                handle._finish(error=exc)
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+            handle, fn, fuse = self._next()
+            done = 1
+            if fuse is None:
+                self._run_one(handle, fn)
+            else:
+                done = self._run_fused(handle, fn, fuse)
+            with self._cond:
+                self._pending -= done
+                self._cond.notify_all()
+
+    @staticmethod
+    def _run_one(handle: Handle, fn: Callable[[], Any]) -> None:
+        try:
+            handle._finish(fn())
+        except BaseException as exc:  # delivered to whoever waits on the handle
+            handle._finish(error=exc)
+
+    def _run_fused(self, handle: Handle, fn: Callable[[], Any], fuse: Fusable) -> int:
+        """Agree with the other ranks how many of the jobs queued behind this one to fuse, run
+        them as one collective; returns the number of jobs done."""
+        try:
+            count = fuse.negotiate(self._fusable_behind(fuse))
+        except BaseException as exc:
+            handle._finish(error=exc)
+            return 1
+        if count <= 1:
+            self._run_one(handle, fn)
+            return 1
+        with self._cond:  # only this thread takes jobs, and ``count`` of them are queued
+            jobs = [(handle, fn, fuse)] + [self._jobs.popleft() for _ in range(count - 1)]
+        try:
+            results = fuse.run_many([job[2].item for job in jobs])
+        except BaseException as exc:
+            for h, _, _ in jobs:
+                h._finish(error=exc)
+        else:
+            for (h, _, _), result in zip(jobs, results):
+                h._finish(result)
+            self.fused_calls += 1
+        return count
+
+
+DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod's default (HOROVOD_FUSION_THRESHOLD)
+
+
+def fusion_threshold() -> int:
+    """Bytes one fused collective may carry: ``HOROVOD_FUSION_THRESHOLD`` as under Horovod
+    (0 turns fusion off), else 128 MiB, Horovod's default."""
+    import os
+
+    value = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
+    if not value:
+        return DEFAULT_FUSION_THRESHOLD
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={value!r} is not a number of bytes.\n"
+                         "HINT: e.g. HOROVOD_FUSION_THRESHOLD=67108864 (64 MiB), or 0 to turn fusion off") from None
 
 
 class State:
@@ -85,12 +179,14 @@ _worker: dict = {"w": None}
 _lock = threading.Lock()
 
 
-def submit(name: str, fn: Callable[[], Any]) -> Handle:
+def submit(name: str, fn: Callable[[], Any], fuse: Optional[Fusable] = None) -> Handle:
+    """Queue ``fn`` for the background thread. With ``fuse``, the thread may run it together
+    with the equal-keyed fusable jobs queued behind it (``fuse.run_many``) instead."""
     with _lock:
         if _worker["w"] is None:
             _worker["w"] = _Worker()
             STATE.started = True
-    return _worker["w"].submit(name, fn)
+    return _worker["w"].submit(name, fn, fuse)
 
 
 def drain() -> None:
@@ -98,6 +194,12 @@ def drain() -> None:
     w = _worker["w"]
     if w is not None and threading.current_thread() is not w._thread:
         w.drain()
+
+
+def fused_calls() -> int:
+    """How many collectives so far ran several fused async jobs (0 before any async call)."""
+    w = _worker["w"]
+    return 0 if w is None else w.fused_calls
 
 
 def on_worker_thread() -> bool:

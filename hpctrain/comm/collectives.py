@@ -178,17 +178,43 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
 
 
 def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,
-                    inplace: bool = False, agree_on=None) -> asyncq.Handle:
+                    inplace: bool = False, agree_on=None, fusable: bool = False) -> asyncq.Handle:
     """Start an all-reduce on the background thread; ``handle.wait()`` returns the result.
     ``agree_on``: what the agreement check compares instead of the shape (``guard.named_shape``:
-    the ranks' calls must also carry the same name)."""
+    the ranks' calls must also carry the same name). ``fusable`` (in-place host arrays with
+    ``auto``): the background thread may fuse this call with the fusable all-reduces of the same
+    op and dtype queued behind it (Horovod's tensor fusion; the ranks agree how many, at the
+    price of one small all-reduce per fused batch: ``hvd.allreduce_async`` asks for it, the
+    DistributedOptimizer's buckets, fused already, do not)."""
     g = resolve(group)
     check_op(op)
+    fuse = None
     if device.on_device(x):
         device.ready(x)  # the caller's stream: the worker thread has its own
     else:
-        flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
-    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on))
+        flat = flatten(x, writable=inplace, what="allreduce_async")  # fail here, in the caller's thread
+        if fusable and inplace and algorithm == "auto" and g.size > 1 and asyncq.fusion_threshold() > 0:
+            fuse = asyncq.Fusable((id(g), op, flat.dtype_name), flat.array.nbytes,
+                                  (x, flat.shape if agree_on is None else agree_on),
+                                  lambda items: _fused_allreduce(items, op, g),
+                                  lambda count: _agree_on_fusion(g, count))
+    return asyncq.submit(f"allreduce_async({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on), fuse)
+
+
+def _agree_on_fusion(g: Group, count: int) -> int:
+    """How many queued fusable all-reduces every rank of ``g`` holds (a MIN all-reduce; a rank
+    that has joined adds 0, and then each call runs alone, the joined rank standing in)."""
+    agreed = np.array([count], dtype=np.int64)
+    allreduce_(agreed, op="min", group=g)
+    return max(1, int(agreed[0]))
+
+
+def _fused_allreduce(items: Sequence[Tuple[Any, Any]], op: str, g: Group) -> List[Any]:
+    """Run the fused async all-reduces ``items`` ((array, what its rank agrees on) pairs) as one
+    grouped all-reduce whose agreement covers every call's shape and name, in order."""
+    xs = [x for x, _ in items]
+    _grouped_allreduce_(xs, op, g, ("grouped",) + tuple(guard.plain_shape(s) for _, s in items))
+    return xs
 
 
 _FAST_DTYPES = {np.dtype(name): DTYPE_CODES[name] for name in DTYPE_CODES
@@ -436,7 +462,12 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     On one node with shared-memory flags the buffers stream through the flag slots where they
     lie (no fusion buffer to copy into and out of: how the DistributedOptimizer reduces
     gradient buckets); elsewhere they are concatenated, reduced and copied back."""
-    g = _sync_start(group)
+    return _grouped_allreduce_(xs, op, _sync_start(group))
+
+
+def _grouped_allreduce_(xs: Sequence[Any], op: str, g: Group, shape=None) -> List[Any]:
+    """``grouped_allreduce_`` on a resolved group; ``shape``: what the ranks agree on, when not
+    the arrays' shapes (fused async calls add their names)."""
     check_op(op)
     flats = [flatten(x, writable=True, what="grouped_allreduce_") for x in xs]
     names = {f.dtype_name for f in flats}
@@ -448,7 +479,8 @@ def grouped_allreduce_(xs: Sequence[Any], op: str = "sum", group: Optional[Group
     if arrays:
         _check_reducible(op, name, arrays[0])
     nbytes = sum(a.nbytes for a in arrays)
-    shape = guard.grouped_shape([f.shape for f in flats])
+    if shape is None:
+        shape = guard.grouped_shape([f.shape for f in flats])
     route = None if g.joined else _route(g, nbytes, name, requested_algorithm("auto"), False)
     agreed = False
     if route is not None:

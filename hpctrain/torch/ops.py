@@ -586,10 +586,11 @@ def _scale_(buf: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
-                     name: str, agree_name: Optional[str] = None) -> Handle:
+                     name: str, agree_name: Optional[str] = None, fusable: bool = False) -> Handle:
     """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor.
     ``agree_name``: the caller's ``name=``, which the ranks' agreement check compares too (so
-    calls matched out of order by name raise on every rank instead of mixing tensors)."""
+    calls matched out of order by name raise on every rank instead of mixing tensors).
+    ``fusable``: the ``*_async`` calls: fused with the async all-reduces queued behind it."""
     if op == ReduceOp.Adasum:
         from . import adasum
 
@@ -612,7 +613,7 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
     by_scaling = op == ReduceOp.Average and (prescale != 1.0 or postscale != 1.0 or not _is_float(buf))
     _scale_(buf, prescale)
     comm_op = "sum" if by_scaling else _COMM_OPS[op]
-    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True,
+    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True, fusable=fusable,
                                  agree_on=None if agree_name is None else named_shape(agree_name, tensor.shape))
 
     def finish(_: Any) -> torch.Tensor:
@@ -685,7 +686,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     _check_reducible(_check_tensor(tensor, "allreduce_async"))
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
-                                                 compression, process_set, None, name or "allreduce", name))
+                                                 compression, process_set, None, name or "allreduce", name,
+                                                 fusable=True))
 
 
 @_traced("ALLREDUCE")
@@ -694,7 +696,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`: ``tensor`` holds the result; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(_allreduce_inplace_start(tensor, average, name, op, prescale_factor, postscale_factor,
+                                                process_set, "allreduce_", fusable=False))
 
 
 @_traced("ALLREDUCE")
@@ -703,11 +706,20 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
-    _require_init("hvd.allreduce_async_")
-    _check_reducible(_check_tensor(tensor, "allreduce_async_"))
+    return _allreduce_inplace_start(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                                    "allreduce_async_", fusable=True)
+
+
+def _allreduce_inplace_start(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Optional[int],
+                             prescale: float, postscale: float, process_set: ProcessSet, what: str,
+                             fusable: bool) -> Handle:
+    """``allreduce_`` and ``allreduce_async_``; only the async one is fused with its neighbours
+    (a blocking call has nothing queued behind it to fuse with)."""
+    _require_init(f"hvd.{what}")
+    _check_reducible(_check_tensor(tensor, what))
     op = _resolve_op(average, op)
-    return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale_factor, postscale_factor,
-                                                 Compression.none, process_set, tensor, name or "allreduce_", name))
+    return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale, postscale, Compression.none,
+                                                 process_set, tensor, name or "allreduce_", name, fusable=fusable))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,

@@ -216,3 +216,60 @@ def test_mismatched_shapes_fail_on_every_rank_without_hanging():
     with pytest.raises(comm.CommError):
         hvd.allreduce(x)
     hvd.barrier()  # still usable afterwards
+
+
+def _fusion_batches(sizes, threshold):
+    """Horovod's rule: consecutive same-dtype tensors, in order, while they fit the threshold."""
+    batches, current, total = [], 0, 0
+    for nbytes in sizes:
+        if current and total + nbytes > threshold:
+            batches.append(current)
+            current, total = 0, 0
+        current, total = current + 1, total + nbytes
+    batches.append(current)
+    return batches
+
+
+@pytest.mark.parametrize("threshold", [None, "40"])
+def test_outstanding_async_allreduces_are_fused(threshold, monkeypatch):
+    # Horovod's tensor fusion: async all-reduces queued together run as one collective per
+    # dtype, up to HOROVOD_FUSION_THRESHOLD bytes. A gate holds the background thread so that
+    # every rank has all of them queued when it gets there (the ranks agree on the count).
+    import threading
+
+    from hpctrain.comm import asyncq
+
+    if threshold is not None:
+        monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", threshold)
+    gate = threading.Event()
+    asyncq.submit("gate", gate.wait)
+    before = asyncq.fused_calls()
+    xs = [torch.full((k + 1,), float(R + k)) for k in range(8)]
+    handles = [hvd.allreduce_async(x, op=hvd.Sum, name=f"fuse.{k}") for k, x in enumerate(xs)]
+    inplace = torch.full((3,), float(R), dtype=torch.float64)
+    handles.append(hvd.allreduce_async_(inplace, op=hvd.Sum))  # another dtype: a batch of its own
+    averaged = torch.full((2,), float(R))
+    handles.append(hvd.allreduce_async(averaged, name="fuse.avg"))  # Average: another op
+    gate.set()
+    results = [hvd.synchronize(h) for h in handles]
+    for k, got in enumerate(results[:8]):
+        assert got.tolist() == [ranks_sum() + N * k] * (k + 1)
+    assert results[8] is inplace and inplace.tolist() == [ranks_sum()] * 3
+    assert results[9].tolist() == [(N - 1) / 2] * 2
+    expected = _fusion_batches([4 * (k + 1) for k in range(8)], int(threshold or 1 << 27))
+    assert asyncq.fused_calls() - before == sum(1 for b in expected if b > 1), expected
+
+
+def test_fusion_can_be_turned_off(monkeypatch):
+    import threading
+
+    from hpctrain.comm import asyncq
+
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "0")
+    gate = threading.Event()
+    asyncq.submit("gate", gate.wait)
+    before = asyncq.fused_calls()
+    handles = [hvd.allreduce_async(torch.full((2,), float(R)), op=hvd.Sum, name=f"nofuse.{k}") for k in range(4)]
+    gate.set()
+    assert all(hvd.synchronize(h).tolist() == [ranks_sum()] * 2 for h in handles)
+    assert asyncq.fused_calls() == before
