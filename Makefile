@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RANKS ?= 2
+# pytest-xdist workers for `make test`: the SLURM/cluster tests (mostly waiting) on one, the rest
+# spread over both. More than 2 only oversubscribes a 2-core machine: each MPI test runs 2-4 ranks.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.hpctrain-installed
 
 # Open MPI refuses to run as root unless told; harmless elsewhere.
@@ -41,7 +44,7 @@ demo: setup
 test: setup
 	bash .ci/services.sh start
 	bash tests/mpio/setup-env.sh || echo "NOTE: no parallel-HDF5 test environment (Debian 12 only): the mpio loader test will skip"
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # By kind (the markers in pytest.ini): pure tests only, or the ones under mpiexec without a scheduler.
 test-unit: setup

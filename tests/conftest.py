@@ -39,6 +39,14 @@ FIXTURE_KINDS = {
 }
 
 
+# Under pytest-xdist (`make test` runs two workers, --dist loadgroup) every test that needs a
+# scheduler or the multi-node cluster runs on one worker, one after another: they share the
+# session's cluster fixtures and one SLURM, whose jobs would otherwise wait for each other's
+# CPUs. Those tests mostly wait on the scheduler, so the other worker's CPU-bound tests run
+# beside them.
+SERVICES_GROUP = "services"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
     unmarked = set()
     for item in items:
@@ -48,6 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
         for fixture in item.fixturenames:
             for kind in FIXTURE_KINDS.get(fixture, ()):
                 item.add_marker(kind)
+        if item.get_closest_marker("slurm") or item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.xdist_group(SERVICES_GROUP))
         if HERE / "unit" not in path.parents and not any(item.get_closest_marker(k) for k in KINDS):
             unmarked.add(path.relative_to(HERE.parent).as_posix())
     if unmarked:
