@@ -71,6 +71,14 @@ def python_argv(*args: str) -> List[str]:
     return [sys.executable, *args]
 
 
+# pytest inside a launch (tests/mpi/ files, one process per rank). Plugins are not auto-loaded:
+# scanning the installed packages' entry points and importing their plugins costs each rank
+# ~1.5 s of CPU, and the ranks need none of them (the launching test enforces the timeout;
+# pytest_timeout is loaded only because pytest.ini sets its option).
+CHILD_PYTEST = ("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "pytest_timeout")
+CHILD_ENV = {"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
 def report_past_capture(request, text: str) -> None:
     """Print past pytest's output capture (a skip reason is otherwise shown only with -rs)."""
     if request is None:

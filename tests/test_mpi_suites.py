@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import ROOT, python_argv, run_mpi
+from mpirun import CHILD_ENV, CHILD_PYTEST, ROOT, python_argv, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -41,9 +41,9 @@ def test_mpi_file(path: Path, n: int, env: dict):
     timeout = declared(path, "TIMEOUT", 240)
     result = run_mpi(
         n,
-        python_argv("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path.relative_to(ROOT))),
+        python_argv(*CHILD_PYTEST, str(path.relative_to(ROOT))),
         timeout=timeout,
-        env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60", **env},
+        env={**CHILD_ENV, **env},
     )
     assert result.returncode == 0, (f"{path.name} at {n} ranks {env or ''} failed (rc={result.returncode}):\n"
                                     f"{result.stdout[-8000:]}")

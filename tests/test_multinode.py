@@ -14,6 +14,7 @@ from typing import Dict, List
 import pytest
 
 from cluster import multinode_cluster, multinode_slurm, python_argv, run_mpi_on_cluster  # noqa: F401 (fixtures)
+from mpirun import CHILD_ENV, CHILD_PYTEST
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 
@@ -104,10 +105,9 @@ def test_comm_across_nodes(multinode_cluster, layout):
     spec, _ = LAYOUTS[layout]
     proc = run_mpi_on_cluster(
         spec,
-        python_argv("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no",
-                    str(Path("tests") / "cluster" / "mpi_checks.py")),
+        python_argv(*CHILD_PYTEST, "--color=no", str(Path("tests") / "cluster" / "mpi_checks.py")),
         timeout=240,
-        env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60", "HPCTRAIN_TEST_LAYOUT": spec},
+        env={**CHILD_ENV, "HPCTRAIN_TEST_LAYOUT": spec},
     )
     assert proc.returncode == 0, f"mpi_checks.py at {layout} ({spec}) failed, rc={proc.returncode}:\n{proc.stdout[-12000:]}"
 

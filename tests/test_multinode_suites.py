@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cluster import multinode_cluster, python_argv, run_mpi_on_cluster  # noqa: F401 (fixture)
+from mpirun import CHILD_ENV, CHILD_PYTEST
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi, pytest.mark.slow]
 
@@ -25,8 +26,8 @@ def test_mpi_suite_at_2x2(multinode_cluster, suite):
     path, extra = SUITES[suite]
     proc = run_mpi_on_cluster(
         "node1:2,node2:2",
-        python_argv("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no", path, *extra),
+        python_argv(*CHILD_PYTEST, "--color=no", path, *extra),
         timeout=300,
-        env={"HPCTRAIN_MPI_CHILD": "1", "HPCTRAIN_STALL_TIMEOUT": "60"},
+        env=dict(CHILD_ENV),
     )
     assert proc.returncode == 0, f"{path} {' '.join(extra)} across node1:2,node2:2 failed (rc={proc.returncode}):\n{proc.stdout[-10000:]}"

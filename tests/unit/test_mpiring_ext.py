@@ -19,6 +19,13 @@ except ImportError as exc:  # optional extension: pip install succeeds without a
 F32 = DTYPE_CODES["float32"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def bound():
+    """Every test calls the extension directly: bind it first, whichever test runs first (or
+    alone, on an xdist worker)."""
+    assert mpiring.available()
+
+
 def call(buf, scratch, dtype=F32, op=0, rank=0, size=1, seg=1024):
     return _mpiring.allreduce(MPI.COMM_SELF.handle, MPI.BYTE.handle, rank, size, buf, scratch, dtype, op, size, seg)
 
