@@ -369,10 +369,14 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     g = comm.world()
     tuned = g.autotune
     saved, g.tuner = g.tuner, CyclingTuner()
+    # One random array and its reference; call k reduces base + k (sum: reference + N*k), so the
+    # 36 MB case does not draw and reduce a fresh float64 reference on every call.
+    base = local_data(length, "float32", R)
+    base_ref = reference(base, "sum")
     try:
         for call in range(CALLS):
-            x = local_data(length, "float32", R + call)
-            ref = reference(x, "sum")
+            x = base + np.float32(call)
+            ref = base_ref + N * call
             if call % 4 == 0:
                 out = comm.allreduce_(x.copy())  # the lean path
             elif call % 4 == 1:
