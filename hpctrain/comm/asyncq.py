@@ -67,7 +67,7 @@ class _Worker:
         self._jobs: Deque[_Job] = collections.deque()
         self._pending = 0
         self._cond = threading.Condition()
-        self.fused_calls = 0  # collectives that ran several fused jobs (tests and the timeline read it)
+        self.fused_calls = 0  # collectives that ran several fused jobs (fused_calls(); the tests read it)
         self._thread = threading.Thread(target=self._run, name="hpctrain-collectives", daemon=True)
         self._thread.start()
 

@@ -305,7 +305,7 @@ def _allreduce_now(x: Any, op: str, algorithm: str, g: Group, inplace: bool, sha
     src = flat.array
     shared = _find_shared(g, src) if inplace else None
     route = _route(g, src.nbytes, flat.dtype_name, requested_algorithm(algorithm), shared is not None)
-    out = src if inplace else (np.empty_like(src) if route.kind in ("shm", "hierarchical") else src.copy())
+    out = src if inplace else np.empty_like(src)  # _execute fills it: a window route writes it, the rest copy src
     _execute(g, route, src, out, op, flat.dtype_name, flat.shape if shape is None else shape, shared)
     return x if inplace else rebuild(flat, out)
 
