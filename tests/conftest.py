@@ -3,8 +3,9 @@
 - ``tests/unit/``: pure code, no MPI launcher needed.
 - ``tests/mpi/``: pytest modules that run *under* ``mpiexec``; each declares
   ``RANKS = (…)``. They are collected only inside such a launch (``HPCTRAIN_MPI_CHILD=1``);
-  ``tests/test_mpi_suites.py`` launches each file at each of its rank counts, with a timeout,
-  so that one hang fails one test fast instead of stalling the suite.
+  ``tests/test_mpi_suites.py`` runs each file at each of its rank counts (the files of one
+  rank count in one launch), with a timeout, so that a hang fails fast instead of stalling
+  the suite.
 - Other top-level tests drive the CLI, SLURM and the multi-node cluster.
 
 Markers (``pytest.ini``) say what a test needs: each module outside ``tests/unit/`` sets
@@ -66,3 +67,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
             f"{', '.join(KINDS)} (pytest.ini) so that `make test-unit` leaves it out; "
             "HINT: set pytestmark = pytest.mark.mpi (or what it needs) at the top of the module"
         )
+
+
+# Inside a launch of tests/test_mpi_suites.py (several files per launch): every rank records
+# what it collected and each test phase's outcome, read back by mpirun.file_verdicts.
+_RESULTS = os.environ.get("HPCTRAIN_MPI_RESULTS") if os.environ.get("HPCTRAIN_MPI_CHILD") else None
+
+if _RESULTS:
+    _RANK = next((os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK") if v in os.environ), "0")
+
+    def _record(*fields: str) -> None:
+        with open(Path(_RESULTS) / f"rank{_RANK}.txt", "a") as out:  # appended as it happens: a crash keeps the lines
+            out.write("\t".join(fields) + "\n")
+
+    def pytest_collection_finish(session) -> None:
+        for item in session.items:
+            _record("collected", "-", item.nodeid)
+
+    def pytest_runtest_logreport(report) -> None:
+        _record(report.when, report.outcome, report.nodeid)

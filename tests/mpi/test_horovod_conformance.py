@@ -38,6 +38,15 @@ MY_PARITY = EVEN if R % 2 == 0 else ODD
 PARITY_RANKS = [r for r in range(N) if r % 2 == R % 2]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _remove_process_sets_when_done():
+    """The sets go with this file: other files run in the same processes (tests/test_mpi_suites.py)
+    may register the same ranks."""
+    yield
+    for ps in (EVEN, ODD) if TAIL is ODD else (EVEN, ODD, TAIL):
+        hvd.remove_process_set(ps)
+
+
 def rows_of(dim0, rank, n):
     """ReducescatterOp::ComputeOutputShapeForRank: the first dim0 % n ranks get one row more."""
     return dim0 // n + (1 if rank < dim0 % n else 0)
