@@ -9,12 +9,13 @@ How it reads (the design that makes it fast):
 
 1. The planner gives this rank's sample ids for the epoch, in chunk-aligned blocks of at
    least ``block_bytes`` (whole HDF5 chunks) whose order is shuffled per epoch.
-2. The ids are walked one *window* (about ``window_bytes``, 4 MiB by default, a whole
+2. The ids are walked one *window* (about ``window_bytes``, 32 MiB by default, a whole
    number of batches) at a time, by a background thread, into reused window arrays.
-3. A window is read as the few sorted runs of rows (whole blocks) that cover it, then,
-   unless its ids ascend (``shuffle="block"``, ``False``: the runs land in place), gathered
-   into plan order with ``numpy.take`` while it is still in the CPU cache -- hence the
-   cache-sized default window. How the runs are read depends on the key:
+3. A window is read as the few sorted runs of rows (whole blocks) that cover it. When its
+   ids ascend (``shuffle="block"``, ``False``) the runs land in place; otherwise
+   uncompressed keys are read with ``preadv`` calls that put each row at its place in plan
+   order (one copy), and the other keys are read into a staging buffer and gathered into
+   plan order with ``numpy.take``. How the runs are read depends on the key:
    uncompressed keys with ``preadv`` straight from the file (:mod:`hpctrain.data.mapped`:
    the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys and keys
    compressed with hdf5plugin's filters (Blosc, bitshuffle/LZ4, Zstd, ...) as stored chunks
@@ -117,7 +118,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         stratify: ``policy="stratified"``: the key holding each sample's integer class
             (default ``"y"`` when it is among ``keys``); read once, when the loader is made.
         shuffle: ``True``/``"window"`` (default): block order shuffled per epoch, and samples
-            shuffled in memory inside each window (one gather copy per batch);
+            shuffled inside each window (rows read to their shuffled places: about 1.4x the CPU
+            per byte of ``"block"`` for uncompressed keys);
             ``"block"``: block order only, samples of a block stay in file order and batches
             are zero-copy slices of the read buffer (fastest); ``False``: file order.
         seed, drop_last, weights: see :func:`hpctrain.data.planner.plan_epoch`.
@@ -126,9 +128,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         transforms: per-key callables ``tensor -> tensor``; ``transform``: ``dict -> dict``
             applied last, on the whole batch.
         prefetch: windows read ahead in a background thread (0 = read in the caller).
-        window_bytes: bytes read per window (default 4 MiB: the window and its shuffled copy
-            stay in the CPU cache); block_bytes: minimum bytes of a contiguous block
-            (default 1 MiB, rounded up to whole HDF5 chunks). A window mixes about
+        window_bytes: bytes read per window (default 32 MiB); block_bytes: minimum bytes of
+            a contiguous block (default 4 MiB, rounded up to whole HDF5 chunks). A window mixes about
             ``window_bytes / block_bytes`` blocks from different places of the data.
         driver: ``"auto"``, ``"mpio"`` or ``"serial"``.
         memory_map: read keys of serially opened files around HDF5 (default True):
