@@ -59,7 +59,7 @@ def choose_algorithm(nbytes: int, group: Optional[Group] = None, algorithm: str 
     ``auto`` chooses at run time (``tuned_counts``), the candidate it tries first."""
     g = resolve(group)
     return plan.choose_algorithm(nbytes, g.topology, requested_algorithm(algorithm), shared,
-                                 _small_shm(g, str(dtype).replace("torch.", "")))
+                                 _small_shm(g, str(dtype).replace("torch.", "")), g.cross_node)
 
 
 def allreduce_route(nbytes: int, group: Optional[Group] = None, algorithm: str = "auto",
@@ -92,7 +92,7 @@ def _small_shm(g: Group, dtype_name: str) -> int:
 def _route(g: Group, nbytes: int, dtype_name: str, requested: str, shared: bool) -> plan.Route:
     """``plan.route`` with this group's facts: the one all-reduce decision, for every path."""
     return plan.route(nbytes, g.topology, requested, shared=shared, small_shm=_small_shm(g, dtype_name),
-                      pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune)
+                      pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune, cross_node=g.cross_node)
 
 
 # --------------------------------------------------------------------------- all-reduce
@@ -228,7 +228,7 @@ _SHM = guard.algorithm_index("shm")
 _AUTO = guard.algorithm_index("auto")
 _INT64 = DTYPE_CODES["int64"]
 _SUM = shmsync.OP_CODES["sum"]
-_LEAN_KINDS = ("flags", "piped", "tuned")  # the lean path runs these; the rest gain nothing from skipping checks
+_LEAN_KINDS = ("flags", "piped", "tuned", "native")  # the lean path runs these (native: across nodes, 1 KiB costs a few µs of MPI)
 _LEAN_CACHE_ENTRIES = 4096  # (size, dtype, op) a program all-reduces are few; bound the cache anyway
 
 

@@ -208,9 +208,15 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 # and the piped path above it (below); without them MPI_Allreduce in place wins up to tens of
 # MiB (a Python ring pays ~17 µs per message and a whole-buffer window copy costs a pass in
 # and out). From LARGE_RING_BYTES the ring, since Open MPI's large-message algorithm
-# degrades. Across nodes, the hierarchical path sends 1/local_size of the data over the
-# network and wins from CROSS_NODE_SMALL_BYTES. Data already in a shared buffer (zero-copy)
-# beats native from SHARED_SMALL_BYTES.
+# degrades. Data already in a shared buffer (zero-copy) beats native from SHARED_SMALL_BYTES.
+# Across nodes (2 namespace "nodes" x 2 ranks on 2 cores, TCP over veth, docs/performance.md)
+# MPI_Allreduce leads below CROSS_NODE_RING_BYTES; the ring ties it there and leads from 1 MiB
+# (1.5-2.6x); the hierarchical path (1/local_size of the data crosses the network, but
+# node-wide synchronisations on every call: 0.4-0.5x MPI at 256 KiB, 0.7-2.0x at 1 MiB from run
+# to run) from CROSS_NODE_HIERARCHICAL_BYTES, where it leads (1.8-2.8x; with the data already in
+# a shared buffer, zero-copy, the gradient buckets: 2.3-3.6x); both thresholds are
+# settings (HPCTRAIN_CROSS_NODE_RING_BYTES, HPCTRAIN_CROSS_NODE_HIERARCHICAL_BYTES): re-measure
+# them on a real interconnect with `hpctrain bench allreduce` across two nodes.
 LARGE_RING_BYTES = 32 * 1024 * 1024
 # With the node's shared-memory flags, a private buffer larger than the flag exchange and
 # smaller than LARGE_RING_BYTES streams through the flag slots in cache-sized segments ("shm",
@@ -220,7 +226,9 @@ LARGE_RING_BYTES = 32 * 1024 * 1024
 # other; docs/performance.md). So these fixed choices are only the fall-back
 # (HPCTRAIN_AUTOTUNE=0) and the first candidate tried: by default auto measures on one node
 # (tuning_candidates, hpctrain.comm.tuning).
-CROSS_NODE_SMALL_BYTES = 64 * 1024
+CROSS_NODE_RING_BYTES = 256 * 1024
+CROSS_NODE_HIERARCHICAL_BYTES = 4 * 1024 * 1024
+CROSS_NODE = (CROSS_NODE_RING_BYTES, CROSS_NODE_HIERARCHICAL_BYTES)
 SHARED_SMALL_BYTES = 16 * 1024
 # From 1 MiB at 3 or more ranks the ring (in C) is a third candidate of the run-time choice:
 # there it leads both the piped path and MPI_Allreduce from 1 to 16 MiB (docs/performance.md).
@@ -232,13 +240,14 @@ RING_CANDIDATE_RANKS = 3
 
 
 def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", shared: bool = False,
-                     small_shm: int = 0) -> str:
+                     small_shm: int = 0, cross_node: Tuple[int, int] = CROSS_NODE) -> str:
     """The algorithm a collective of ``nbytes`` uses on ``topology``.
 
     ``small_shm``: the largest message the node's shared-memory flag exchange takes for this
     dtype (0: not available — no C extension, or a dtype its kernels lack); up to that size
     one node's all-reduce is one flag round trip, above it streams through the flag slots;
-    both faster than MPI_Allreduce.
+    both faster than MPI_Allreduce. ``cross_node``: (ring from, hierarchical from) in bytes,
+    for groups that span nodes (the group's settings; CROSS_NODE by default).
 
     Depends only on values that agree on every rank (message size, dtype, group layout,
     whether the data lives in a shared buffer), so every rank of a group picks the same one.
@@ -263,9 +272,10 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
         if 0 < nbytes < LARGE_RING_BYTES and small_shm:
             return "shm"
         return "ring" if nbytes >= LARGE_RING_BYTES else "native"
-    if nbytes < CROSS_NODE_SMALL_BYTES:
-        return "native"
-    return "hierarchical" if topology.homogeneous else "ring"
+    ring_from, hierarchical_from = cross_node
+    if nbytes >= hierarchical_from and topology.homogeneous:
+        return "hierarchical"
+    return "ring" if nbytes >= ring_from else "native"
 
 
 def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bool) -> Tuple[str, ...]:
@@ -319,17 +329,17 @@ class Route:
 
 
 def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: bool = False, small_shm: int = 0,
-          pipes: bool = False, autotune: bool = False) -> Route:
+          pipes: bool = False, autotune: bool = False, cross_node: Tuple[int, int] = CROSS_NODE) -> Route:
     """The route of an all-reduce of ``nbytes`` on ``topology``: the one decision every path of
     ``collectives`` takes (the general one and the lean one for small numpy arrays).
 
     ``requested``: the caller's algorithm after the HPCTRAIN_ALLREDUCE override; ``shared``:
     the data lives in a shared buffer; ``small_shm``: the largest flag exchange for this dtype
     (0: none); ``pipes``: the piped path takes this size and dtype; ``autotune``: the group's
-    run-time choice is on. Every argument agrees across the ranks of a group, so every rank
+    run-time choice is on; ``cross_node``: see ``choose_algorithm``. Every argument agrees across the ranks of a group, so every rank
     takes the same route and sends the same agreement header.
     """
-    algo = choose_algorithm(nbytes, topology, requested, shared, small_shm)
+    algo = choose_algorithm(nbytes, topology, requested, shared, small_shm, cross_node)
     if requested == "auto" and autotune and not shared:
         candidates = tuning_candidates(nbytes, topology, small_shm, pipes)
         if candidates:

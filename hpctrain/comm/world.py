@@ -54,6 +54,8 @@ class Group:
         self.node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         leader = self.node_comm.bcast(world_rank, root=0)
         self.topology: Topology = topology_from_keys(mpi_comm.allgather(leader))
+        # auto's thresholds across nodes (plan.choose_algorithm), read once per group
+        self.cross_node = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes)
         self.local_rank: int = self.node_comm.Get_rank()
         self.local_size: int = self.node_comm.Get_size()
         self.cross_rank: int = self.topology.cross_rank(self.rank)

@@ -14,10 +14,12 @@ UNEVEN = plan.topology_from_keys(["a", "a", "b"])
 SMALL = 256 * 1024  # the flag exchange's limit for a dtype its kernels take
 
 
-def r(nbytes, topo=NODE2, requested="auto", shared=False, small_shm=SMALL, pipes=None, autotune=False):
+def r(nbytes, topo=NODE2, requested="auto", shared=False, small_shm=SMALL, pipes=None, autotune=False,
+      cross_node=plan.CROSS_NODE):
     if pipes is None:  # as the flag slots answer: a piped call is larger than a flag exchange
         pipes = bool(small_shm) and nbytes > small_shm
-    return plan.route(nbytes, topo, requested, shared=shared, small_shm=small_shm, pipes=pipes, autotune=autotune)
+    return plan.route(nbytes, topo, requested, shared=shared, small_shm=small_shm, pipes=pipes, autotune=autotune,
+                      cross_node=cross_node)
 
 
 @pytest.mark.parametrize("autotune", [False, True])
@@ -66,7 +68,7 @@ def test_shared_buffers_go_zero_copy_and_never_tuned():
     for autotune in (False, True):
         assert r(SMALL + 1, shared=True, autotune=autotune) == Route("zero-copy", "shm")
         assert r(LARGE, shared=True, autotune=autotune) == Route("zero-copy", "shm")
-    assert r(1 << 20, TWO_NODES, shared=True, small_shm=0) == Route("zero-copy", "hierarchical")
+    assert r(plan.CROSS_NODE[1], TWO_NODES, shared=True, small_shm=0) == Route("zero-copy", "hierarchical")
     assert r(1 << 20, TWO_NODES, "ring", shared=True, small_shm=0) == Route("ring", "ring")
     assert r(1 << 20, ONE, "shm", shared=True, small_shm=0) == Route("local", "shm")
 
@@ -84,14 +86,25 @@ def test_requested_algorithms_are_kept_and_never_tuned():
 
 
 def test_several_nodes():
+    ring_from, hierarchical_from = plan.CROSS_NODE
     cases = [(4, "auto", Route("native", "native")),
-             (plan.CROSS_NODE_SMALL_BYTES, "auto", Route("hierarchical", "hierarchical")),
-             (plan.CROSS_NODE_SMALL_BYTES, "shm", Route("hierarchical", "hierarchical")),
+             (ring_from - 4, "auto", Route("native", "native")),
+             (ring_from, "auto", Route("ring", "ring")),
+             (hierarchical_from - 4, "auto", Route("ring", "ring")),
+             (hierarchical_from, "auto", Route("hierarchical", "hierarchical")),
+             (ring_from, "shm", Route("hierarchical", "hierarchical")),
              (4, "hierarchical", Route("hierarchical", "hierarchical"))]
     for nbytes, requested, expected in cases:
         for autotune in (False, True):  # never tuned across nodes; small_shm is 0 on several nodes
             assert r(nbytes, TWO_NODES, requested, small_shm=0, pipes=False, autotune=autotune) == expected
-    assert r(1 << 20, UNEVEN, small_shm=0) == Route("ring", "ring")  # hierarchical needs even nodes
+    assert r(64 << 20, UNEVEN, small_shm=0) == Route("ring", "ring")  # hierarchical needs even nodes
+    # the group's own thresholds (HPCTRAIN_CROSS_NODE_*_BYTES)
+    assert r(1 << 10, TWO_NODES, small_shm=0, cross_node=(0, 1 << 20)) == Route("ring", "ring")
+    assert r(1 << 20, TWO_NODES, small_shm=0, cross_node=(0, 1 << 20)) == Route("hierarchical", "hierarchical")
+    assert r(64 << 20, TWO_NODES, small_shm=0, cross_node=(128 << 20, 128 << 20)) == Route("native", "native")
+    # data in a shared buffer: zero-copy where the hierarchical path runs, else as a private buffer
+    assert r(hierarchical_from, TWO_NODES, small_shm=0, shared=True) == Route("zero-copy", "hierarchical")
+    assert r(ring_from, TWO_NODES, small_shm=0, shared=True) == Route("ring", "ring")
     assert r(1 << 20, UNEVEN, "shm", small_shm=0) == Route("ring", "ring")
 
 
