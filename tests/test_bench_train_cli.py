@@ -58,3 +58,13 @@ def test_bench_allreduce_streams_rows_and_keeps_each_cell_in_its_budget(tmp_path
     records = json.loads(out.read_text())
     assert all(1 <= r["iters"] < 1000 for r in records if r["bytes"] == 1024), records
     assert "OSC UCX" not in result.stdout + result.stderr
+
+
+def test_no_open_mpi_component_noise_under_a_bare_mpiexec():
+    """Not only `hpctrain launch` (which passes --mca osc ^ucx): ranks started by any mpiexec
+    leave osc/ucx out before importing hpctrain.comm starts MPI, so a shared window prints
+    nothing (the Open MPI wheel's osc/ucx printed one error per rank here)."""
+    result = run_mpi(2, python_argv("-m", "hpctrain.cli.main", "bench", "allreduce", "--sizes", "1KiB",
+                                    "--algos", "shm", "--repeats", "1", "--max-seconds", "0.01"), timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "osc_ucx" not in result.stdout and "OSC UCX" not in result.stdout, result.stdout[-4000:]

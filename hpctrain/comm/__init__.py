@@ -1,8 +1,20 @@
 """hpctrain.comm — MPI for hpctrain: start-up, groups, collectives, ring/shm/hierarchical
 all-reduce, agreement checks and the stall watchdog. The only package that imports mpi4py.
 
-Nothing here initializes MPI at import; call ``init()``.
+Importing it imports ``mpi4py.MPI``, which starts MPI (mpi4py's default); ``init()`` builds
+the world group on top.
 """
+import os as _os
+
+import mpi4py as _mpi4py
+
+# Set before any module below imports mpi4py.MPI (that import runs MPI_Init): the watchdog and
+# the async worker call MPI from threads; Open MPI's shared windows need only osc/sm, and
+# osc/ucx prints errors where UCX has no usable transport (workstations). A user's own
+# OMPI_MCA_osc wins.
+_mpi4py.rc.thread_level = "multiple"
+_os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+
 from .errors import (CollectiveMismatchError, CommError, JoinedRanksError, NotInitializedError, StallError,
                      WorldSizeError)
 from .guard import checks_enabled, set_checks

@@ -136,13 +136,7 @@ def init(check_slurm: bool = True) -> "Group":
             return _state["world"]
         settings.check_all()  # a bad HPCTRAIN_* value stops every rank here, before any MPI call
         guard.load_setting()
-        import mpi4py
-
-        mpi4py.rc.thread_level = "multiple"  # the watchdog and async ops use threads
-        # Open MPI: shared windows need only osc/sm; osc/ucx prints errors where UCX has no
-        # usable transport (workstations). A user's own setting wins.
-        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
-        from mpi4py import MPI
+        from mpi4py import MPI  # thread level and osc default: set in hpctrain/comm/__init__.py
 
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
