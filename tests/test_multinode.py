@@ -128,7 +128,7 @@ def test_bench_allreduce_reports_two_nodes(multinode_cluster, tmp_path):
         for nbytes in (4096, 262144):
             assert (algo, nbytes) in seen, f"no {algo} at {nbytes} B in {sorted(seen)}"
     chosen = {r["bytes"]: r["chosen"] for r in records if r["algo"] == "auto"}
-    assert chosen[262144] == "hierarchical", chosen  # auto across nodes, above the small-message cut
+    assert chosen[262144] == "ring", chosen  # auto across nodes: the ring from 256 KiB (HPCTRAIN_CROSS_NODE_RING_BYTES)
 
 
 def test_probe_cluster_view_lists_both_nodes(multinode_cluster):

@@ -17,7 +17,7 @@ from hpctrain.slurm import env as slurm_env
 def main() -> int:
     comm.init()
     view = slurm_env.from_environ()
-    x = np.full(300007, comm.rank() + 1.0, dtype=np.float32)  # big enough for auto's cross-node path
+    x = np.full(1100007, comm.rank() + 1.0, dtype=np.float32)  # > 4 MiB: auto runs the hierarchical path across nodes
     total = comm.allreduce(x, algorithm="auto")
     ok = bool(np.all(total == comm.size() * (comm.size() + 1) / 2))
     row = {
