@@ -53,9 +53,13 @@ class Group:
         self.ctl_comm = mpi_comm.Dup()
         self.node_comm = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         leader = self.node_comm.bcast(world_rank, root=0)
-        self.topology: Topology = topology_from_keys(mpi_comm.allgather(leader))
-        # auto's thresholds across nodes (plan.choose_algorithm), read once per group
-        self.cross_node = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes)
+        # auto's thresholds across nodes (plan.choose_algorithm), read once per group and agreed
+        # in the same allgather (rank 0's win): a rank with other HPCTRAIN_CROSS_NODE_* values must
+        # not route the same call differently (with the check off, mismatched collectives hang).
+        mine = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes)
+        facts = mpi_comm.allgather((leader, mine))
+        self.topology: Topology = topology_from_keys([f[0] for f in facts])
+        self.cross_node = facts[0][1]
         self.local_rank: int = self.node_comm.Get_rank()
         self.local_size: int = self.node_comm.Get_size()
         self.cross_rank: int = self.topology.cross_rank(self.rank)
