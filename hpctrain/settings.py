@@ -95,7 +95,7 @@ class Setting:
     zero: str = ""  # what 0 means, where it is allowed and means something special
 
     def __post_init__(self) -> None:
-        assert self.kind in ("flag", "seconds", "size", "choice", "text"), self.kind
+        assert self.kind in ("flag", "seconds", "size", "count", "choice", "text"), self.kind
         assert self.kind != "choice" or self.default in self.choices, self.name
 
     @property
@@ -116,6 +116,8 @@ class Setting:
             return f"a size >= {_spaced(low) if low else 0}{zero}: {SIZE_FORM}"
         if self.kind == "choice":
             return "one of " + ", ".join(self.choices)
+        if self.kind == "count":
+            return f"a whole number >= {int(self.minimum or 0)}"
         return "any text"
 
     def accepted(self) -> str:
@@ -125,6 +127,8 @@ class Setting:
         if self.kind in ("seconds", "size"):
             low = int(self.minimum or 0)
             return f"{self.kind} ≥ {_spaced(low) if low else 0}"
+        if self.kind == "count":
+            return f"integer ≥ {int(self.minimum or 0)}"
         return ", ".join(self.choices) if self.kind == "choice" else "text"
 
     def parse(self, raw: Optional[str]) -> Any:
@@ -142,10 +146,11 @@ class Setting:
         """``value`` when it is in range (ValueError otherwise)."""
         if value is None and self.default is None:
             return None
-        if self.kind in ("seconds", "size"):
+        if self.kind in ("seconds", "size", "count"):
             number = (int, float) if self.kind == "seconds" else int
             if not isinstance(value, number) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"{self.name}: {value!r} is not a {'number' if self.kind == 'seconds' else 'byte count'}")
+                raise ValueError(f"{self.name}: {value!r} is not a "
+                                 f"{ {'seconds': 'number', 'size': 'byte count'}.get(self.kind, 'whole number')}")
             if self.minimum is not None and value < self.minimum:
                 raise ValueError(f"{self.name}: {value!r} is below {self.minimum:g}")
         elif self.kind == "choice" and value not in self.choices:
@@ -167,6 +172,8 @@ class Setting:
             return float(text)
         if self.kind == "size":
             return parse_size(text)
+        if self.kind == "count":
+            return int(text)
         if self.kind == "choice":
             return text.lower()
         return text
@@ -234,6 +241,13 @@ DECLARED: Tuple[Setting, ...] = (
     Setting("rendezvous_addr", "text", None, "address torch.distributed (gloo, nccl backends) rendezvouses at, "
             "e.g. a fast interface's; unset: rank 0's host name"),
     _flag("malloc_tuning", True, "raise glibc's mmap/trim thresholds unless you set them (docs/performance.md)"),
+    _flag("elastic", False, "recover from a lost rank inside the job (`hpctrain.torch.elastic`): survivors "
+          "re-form the world and go on; needs an MPI with the fault-tolerance extension, started with it on "
+          "(`hpctrain launch --elastic` sets both)"),
+    Setting("elastic_min_ranks", "count", 1, "elastic jobs end (cleanly, on every survivor) when fewer ranks "
+            "than this survive", minimum=1),
+    Setting("elastic_report", "text", None, "directory where each finished rank of an elastic job writes what it "
+            "saw (lost ranks, where it resumed); `hpctrain launch --elastic` sets it and reads them"),
     _flag("abort_on_exception", True, "an uncaught exception on any rank aborts the MPI job"),
     Setting("mpiexec", "text", None, "the `mpiexec` `hpctrain launch` runs; unset: the one beside this Python, "
             "else the first on PATH"),

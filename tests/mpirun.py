@@ -52,7 +52,14 @@ def run_mpi(
     A run that outlives ``timeout`` is killed (the whole process group) and reported with
     returncode -9 and whatever it printed.
     """
-    cmd = mpiexec_argv(n) + list(argv)
+    return run_command(mpiexec_argv(n) + list(argv), timeout, env, cwd)
+
+
+def run_command(cmd: Sequence[str], timeout: float = 120, env: Optional[Dict[str, str]] = None,
+                cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run a launcher command (``cmd``: mpiexec or ``hpctrain launch`` …) as ``run_mpi`` does:
+    output merged, the MPI test environment, killed with its process group after ``timeout``."""
+    cmd = list(cmd)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

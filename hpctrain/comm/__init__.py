@@ -15,13 +15,13 @@ import mpi4py as _mpi4py
 _mpi4py.rc.thread_level = "multiple"
 _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
-from .errors import (CollectiveMismatchError, CommError, JoinedRanksError, NotInitializedError, StallError,
-                     WorldSizeError)
+from .errors import (CollectiveMismatchError, CommError, ElasticError, HorovodInternalError, JoinedRanksError,
+                     NotInitializedError, RanksLostError, StallError, WorldSizeError)
 from .guard import checks_enabled, set_checks
 from .plan import ALGORITHMS, parse_size
-from .world import (Group, abort_job, cross_rank, cross_size, hostname, init, is_initialized, local_rank,
-                    local_size, mpi_library_version, mpi_threads_supported, new_group, rank, shutdown, size,
-                    rendezvous_store, split, world)
+from .world import (Group, abort_job, cross_rank, cross_size, generation, hostname, init, is_initialized,
+                    local_rank, local_size, mpi_library_version, mpi_threads_supported, new_group, note_reform, on_reform, rank,
+                    reform, reforms, shutdown, size, rendezvous_store, split, world)
 from .asyncq import Handle, drain as synchronize_all
 
 
@@ -41,11 +41,12 @@ def __getattr__(name):
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "world", "new_group", "split", "Group", "hostname", "mpi_library_version",
+    "cross_size", "world", "new_group", "split", "Group", "reform", "reforms", "generation", "on_reform", "note_reform", "hostname", "mpi_library_version",
     "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async", "grouped_adasum_",
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",
     "barrier", "join", "refuse", "shared_buffer", "free_shared_buffer", "send", "recv", "send_object", "recv_object", "choose_algorithm", "allreduce_route", "tuned_counts", "Handle",
     "synchronize_all", "cuda_support", "accept_device_buffers", "set_checks", "checks_enabled", "ALGORITHMS", "parse_size", "CommError",
     "CollectiveMismatchError", "JoinedRanksError", "StallError", "NotInitializedError", "WorldSizeError",
+    "RanksLostError", "ElasticError", "HorovodInternalError",
 ]

@@ -17,12 +17,20 @@
  *
  * The wait spins (pause), then yields, then sleeps; it gives up after `timeout` seconds
  * (0: never) so that the caller can report the ranks that did not arrive and abort.
+ *
+ * Fault-tolerant (elastic) jobs: a rank that leaves a group after a failure stores
+ * FLAG_ABANDONED in its flag (abandon()), and a context given the local ranks' process ids
+ * checks, while a wait is long, that the ranks it waits for still exist. Either ends the
+ * wait with ST_ABANDONED: MPI's failure detection cannot interrupt a wait on shared memory.
  * The GIL is released while waiting and reducing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <string.h>
 #include <time.h>
 
@@ -36,7 +44,8 @@
 #define HDR_BYTES 64
 #define DATA_OFF 256
 
-enum { ST_OK = 0, ST_TIMEOUT = 1, ST_MISMATCH = 2 };
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_MISMATCH = 2, ST_ABANDONED = 3 };
+#define FLAG_ABANDONED UINT64_MAX
 
 
 typedef struct {
@@ -48,6 +57,8 @@ typedef struct {
     Py_ssize_t slot_bytes;
     uint64_t seq;
     long spin_limit;    /* pause-loop iterations before yielding (0 when oversubscribed) */
+    pid_t *pids;        /* every local rank's process id, or NULL: no liveness checks */
+    int gone;           /* the local rank a wait found abandoned or gone, else -1 */
 } Ctx;
 
 static inline void cpu_relax(void) {
@@ -74,13 +85,20 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Wait until every rank's flag reaches seq. Returns ST_OK or ST_TIMEOUT. */
+/* A process that no longer exists (checked only in long waits: one kill(pid, 0)). */
+static int is_gone(Ctx *c, int q) {
+    return c->pids && c->pids[q] > 0 && kill(c->pids[q], 0) != 0 && errno == ESRCH;
+}
+
+/* Wait until every rank's flag reaches seq. Returns ST_OK, ST_TIMEOUT or ST_ABANDONED. */
 static int wait_all(Ctx *c, uint64_t seq, double timeout) {
     int q = 0;
     long spins = 0;
     double start = 0.0;
     while (q < c->nranks) {
-        if (__atomic_load_n(flag_of(c, q), __ATOMIC_ACQUIRE) >= seq) {
+        uint64_t flag = __atomic_load_n(flag_of(c, q), __ATOMIC_ACQUIRE);
+        if (flag >= seq) {
+            if (flag == FLAG_ABANDONED) { c->gone = q; return ST_ABANDONED; }
             q++;
             continue;
         }
@@ -95,6 +113,7 @@ static int wait_all(Ctx *c, uint64_t seq, double timeout) {
             double waited = t - start;
             if (timeout > 0 && waited > timeout) return ST_TIMEOUT;
             if (waited > 0.01) {          /* a long wait: stop burning the core */
+                if (is_gone(c, q)) { c->gone = q; return ST_ABANDONED; }
                 struct timespec nap = {0, 50000};
                 nanosleep(&nap, NULL);
                 continue;
@@ -293,8 +312,10 @@ static void Ctx_release(Ctx *self) {
     for (int i = 0; self->views && i < self->nranks; i++) PyBuffer_Release(&self->views[i]);
     PyMem_Free(self->views);
     PyMem_Free(self->regions);
+    PyMem_Free(self->pids);
     self->views = NULL;
     self->regions = NULL;
+    self->pids = NULL;
     self->nranks = 0;
 }
 
@@ -312,12 +333,13 @@ static int ready(Ctx *self) {
 }
 
 static int Ctx_init(Ctx *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"regions", "rank", "slot_bytes", "spin_limit", NULL};
-    PyObject *regions;
+    static char *kwlist[] = {"regions", "rank", "slot_bytes", "spin_limit", "pids", NULL};
+    PyObject *regions, *pids = Py_None;
     int rank;
     Py_ssize_t slot_bytes;
     long spin_limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oinl", kwlist, &regions, &rank, &slot_bytes, &spin_limit))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oinl|O", kwlist, &regions, &rank, &slot_bytes, &spin_limit,
+                                     &pids))
         return -1;
     Ctx_release(self);
     if (slot_bytes < 0 || slot_bytes > (PY_SSIZE_T_MAX - DATA_OFF) / 2) {
@@ -338,7 +360,23 @@ static int Ctx_init(Ctx *self, PyObject *args, PyObject *kwds) {
     self->rank = rank;
     self->slot_bytes = slot_bytes;
     self->spin_limit = spin_limit;
+    self->gone = -1;
     self->seq = __atomic_load_n(flag_of(self, rank), __ATOMIC_ACQUIRE);
+    if (pids != Py_None) {
+        PyObject *seq = PySequence_Fast(pids, "pids must be a sequence of process ids");
+        if (!seq) { Ctx_release(self); return -1; }
+        if (PySequence_Fast_GET_SIZE(seq) != self->nranks) {
+            Py_DECREF(seq);
+            Ctx_release(self);
+            PyErr_SetString(PyExc_ValueError, "Ctx: pids must hold one process id per region");
+            return -1;
+        }
+        self->pids = PyMem_Calloc(self->nranks, sizeof(pid_t));
+        for (int q = 0; self->pids && q < self->nranks; q++)
+            self->pids[q] = (pid_t)PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, q));
+        Py_DECREF(seq);
+        if (!self->pids || PyErr_Occurred()) { Ctx_release(self); if (!PyErr_Occurred()) PyErr_NoMemory(); return -1; }
+    }
     return 0;
 }
 
@@ -598,6 +636,18 @@ static PyObject *Ctx_missing(Ctx *self, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* abandon(): tell the other local ranks that this rank left the group (after a failure):
+ * their waits on it end with ST_ABANDONED instead of waiting for the watchdog. */
+static PyObject *Ctx_abandon(Ctx *self, PyObject *Py_UNUSED(ignored)) {
+    if (!ready(self)) return NULL;
+    __atomic_store_n(flag_of(self, self->rank), FLAG_ABANDONED, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ctx_get_gone(Ctx *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(self->gone);
+}
+
 static PyObject *Ctx_get_seq(Ctx *self, void *Py_UNUSED(closure)) {
     if (!ready(self)) return NULL;
     return PyLong_FromUnsignedLongLong(self->seq);
@@ -605,16 +655,18 @@ static PyObject *Ctx_get_seq(Ctx *self, void *Py_UNUSED(closure)) {
 
 static PyMethodDef Ctx_methods[] = {
     {"exchange", (PyCFunction)Ctx_exchange, METH_VARARGS,
-     "exchange(header, buf, dtype_code, op_code, timeout) -> 0 ok, 1 timeout, 2 header mismatch"},
+     "exchange(header, buf, dtype_code, op_code, timeout) -> 0 ok, 1 timeout, 2 header mismatch, 3 rank gone"},
     {"allreduce_piped", (PyCFunction)Ctx_allreduce_piped, METH_VARARGS,
      "allreduce_piped(buffer or [buffers], dtype_code, op_code, divisor, header, timeout, segment_bytes) -> status"},
     {"headers", (PyCFunction)Ctx_headers, METH_O, "headers(out): every rank's header of the last exchange"},
     {"missing", (PyCFunction)Ctx_missing, METH_NOARGS, "local ranks that did not reach the last exchange"},
+    {"abandon", (PyCFunction)Ctx_abandon, METH_NOARGS, "mark this rank as gone from the group (waits on it end)"},
     {NULL},
 };
 
 static PyGetSetDef Ctx_getset[] = {
     {"seq", (getter)Ctx_get_seq, NULL, "number of exchanges so far", NULL},
+    {"gone", (getter)Ctx_get_gone, NULL, "the local rank a wait found abandoned or gone (-1: none)", NULL},
     {NULL},
 };
 

@@ -32,3 +32,22 @@ class JoinedRanksError(CollectiveMismatchError):
 
 class StallError(CommError):
     """A collective waited longer than HPCTRAIN_STALL_TIMEOUT seconds."""
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed inside the communication layer, under Horovod's name
+    (``horovod.common.exceptions``): its elastic mode treats it as recoverable (restore the
+    last committed state, re-form the world, retry). Defined here so that the comm layer's
+    failures are instances of it; ``hpctrain.torch`` re-exports it."""
+
+
+class RanksLostError(CommError, HorovodInternalError):
+    """A peer rank died (or left a collective after a failure) while this rank was in a
+    collective with it. Raised only in fault-tolerant jobs (``hpctrain launch --elastic``):
+    elsewhere the launcher ends the whole job when a rank dies. ``comm.reform()`` re-forms
+    the world from the survivors."""
+
+
+class ElasticError(CommError):
+    """The world cannot go on after a failure: fewer survivors than ``min_ranks``, or an MPI
+    without the fault-tolerance extension."""

@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from .. import settings
 from .buffers import DTYPE_CODES
+from . import faults
 from .errors import CommError
 from .shmsync import FAST_DTYPES, OP_CODES  # the same kernels' codes (_kernels.h)
 
@@ -107,6 +108,8 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
     err = _mpiring.allreduce(comm.handle, MPI.BYTE.handle, comm.Get_rank(), comm.Get_size(), arr, scratch,
                              dtype_code, OP_CODES[op], divisor, segment_bytes())
     if err:
+        if MPI.Get_error_class(err) in faults.failure_classes():  # elastic jobs: a lost peer, not a bug
+            raise MPI.Exception(err)  # the watched wait around this call makes it RanksLostError
         raise CommError(f"the C ring all-reduce failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
                         "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")
 

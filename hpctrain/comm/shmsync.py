@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from .. import settings
 from .buffers import DTYPE_CODES, OPS
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, RanksLostError
 
 try:
     from . import _shmsync
@@ -53,7 +53,7 @@ FAST_DTYPE_NUMS = {np.dtype(n).num: DTYPE_CODES[n] for n in (
 OP_CODES = {op: i for i, op in enumerate(OPS)}
 log = logging.getLogger("hpctrain.comm")
 HEADER = struct.Struct("8q")  # the 7 header fields of guard.make_header, padded to 64 bytes
-ST_OK, ST_TIMEOUT, ST_MISMATCH = 0, 1, 2
+ST_OK, ST_TIMEOUT, ST_MISMATCH, ST_ABANDONED = 0, 1, 2, 3
 
 
 def streaming_bytes() -> int:
@@ -93,7 +93,8 @@ def available() -> bool:
 class NodeFlags:
     """One flag, two header slots and two data slots per local rank of ``node_comm``."""
 
-    def __init__(self, node_comm, slot_bytes: int, spin: int, small_bytes: Optional[int] = None) -> None:
+    def __init__(self, node_comm, slot_bytes: int, spin: int, small_bytes: Optional[int] = None,
+                 pids: Optional[list] = None) -> None:
         self.comm = node_comm
         self.size = node_comm.Get_size()
         self.rank = node_comm.Get_rank()
@@ -104,7 +105,7 @@ class NodeFlags:
         views = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8) for q in range(self.size)]
         views[self.rank][:_shmsync.REGION_HEADER_BYTES] = 0  # window memory is not zeroed
         node_comm.Barrier()
-        self.ctx = _shmsync.Ctx(views, self.rank, slot_bytes, spin)
+        self.ctx = _shmsync.Ctx(views, self.rank, slot_bytes, spin, pids)
         self._views = views  # keep the mappings referenced as long as ctx uses them
 
     @classmethod
@@ -117,7 +118,7 @@ class NodeFlags:
             return None
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         wanted = slot_bytes_wanted() if slot_bytes is None else slot_bytes
-        votes = node_comm.allgather((available(), cpus, wanted, small_allreduce_bytes()))
+        votes = node_comm.allgather((available(), cpus, wanted, small_allreduce_bytes(), os.getpid()))
         if not all(v[0] for v in votes):
             return None
         slot_bytes = min(v[2] for v in votes)
@@ -125,9 +126,10 @@ class NodeFlags:
         usable = set().union(*(set(v[1]) for v in votes))
         # more ranks than cores: a spinning rank would take the core its peer needs
         spin = _SPIN_ITERATIONS if len(usable) >= node_comm.Get_size() else 0
+        pids = _watched_pids(node_comm, [v[4] for v in votes])
         flags, error = None, None
         try:
-            flags = cls(node_comm, slot_bytes, spin, small_bytes)
+            flags = cls(node_comm, slot_bytes, spin, small_bytes, pids)
         except MPI.Exception as exc:  # an MPI without usable shared windows
             error = exc
         if node_comm.allreduce(0 if flags is None else 1, op=MPI.MIN) == 0:
@@ -174,6 +176,10 @@ class NodeFlags:
         them), or a stall (reported and the job aborted by ``dog``)."""
         if status == ST_OK:
             return
+        if status == ST_ABANDONED:
+            gone = self.ctx.gone
+            raise RanksLostError(f"{text_of(what)}: local rank {gone} of this node left the collective (its process "
+                                 "exited, or it left the group after a failure elsewhere)")
         if status == ST_MISMATCH:
             from .guard import HEADER_LEN, mismatch_report
 
@@ -183,6 +189,13 @@ class NodeFlags:
             raise CollectiveMismatchError(mismatch_report(self.comm, headers, group, shape, dog, what), headers, group)
         dog.stalled(what, dog.timeout, describe(self.ctx.missing()))
 
+    def abandon(self) -> None:
+        """This rank leaves the group after a failure: the other local ranks' waits on it end
+        (with RanksLostError) instead of running into the stall watchdog. The window is not
+        freed (MPI_Win_free is collective over ranks that may be dead)."""
+        if self.ctx is not None:
+            self.ctx.abandon()
+
     def free(self) -> None:
         if self.win is not None:
             self.comm.Barrier()
@@ -191,3 +204,25 @@ class NodeFlags:
             self.win.Free()
             self.win = None
 
+
+
+def text_of(what) -> str:
+    return what() if callable(what) else str(what)
+
+
+def _watched_pids(node_comm, pids: list) -> Optional[list]:
+    """The local ranks' process ids when waits should check that their peers still exist:
+    in elastic jobs only (elsewhere the launcher ends the job when a rank dies), and only when
+    every rank sees every other's process (not when ranks sit in separate PID namespaces that
+    share memory: a peer's id would look gone). Collective over ``node_comm``."""
+    if not settings.rc.elastic:
+        return None
+    visible = 1
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            visible = 0
+        except PermissionError:
+            pass  # exists, owned by another user
+    return pids if node_comm.allreduce(visible, op=MPI.MIN) == 1 else None

@@ -14,6 +14,9 @@ from typing import Callable, Dict, List, Optional, Union
 from .. import settings
 
 Text = Union[str, Callable[[], str]]  # messages are built only when a stall is reported
+# Elastic jobs: faults.translate, which turns an MPI error of a lost peer leaving a watched
+# wait into RanksLostError (and revokes this rank's communicators); None elsewhere.
+TRANSLATE: dict = {"fn": None}
 
 
 def text(what: Text) -> str:
@@ -49,11 +52,15 @@ class Wait:
         waits[self._key] = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._previous is None:
             self._dog._waits.pop(self._key, None)
         else:
             self._dog._waits[self._key] = self._previous
+        if exc is not None and TRANSLATE["fn"] is not None:
+            lost = TRANSLATE["fn"](exc)
+            if lost is not None:
+                raise lost from exc
 
 
 class Watchdog:

@@ -7,19 +7,25 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, List, Optional, Sequence
+import weakref
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
 from .. import settings
 from . import guard, launcher
 from .asyncq import drain
-from .errors import CommError, NotInitializedError
+from .errors import CommError, ElasticError, NotInitializedError
 from .guard import agree, make_header
 from .plan import Topology, topology_from_keys
 from .watchdog import Watchdog, stall_timeout
 
-_state: dict = {"world": None, "watchdog": None, "MPI": None, "finalize": False}
+# "base": the communicator the world group is built on: MPI_COMM_WORLD, or the survivors'
+# communicator after an elastic job lost ranks ("generation" counts those re-formings).
+# "groups": every live Group (elastic jobs revoke them all on a failure).
+# "launched": the launched (MPI_COMM_WORLD) rank of each rank of a re-formed world.
+_state: dict = {"world": None, "watchdog": None, "MPI": None, "finalize": False, "base": None,
+                "generation": 0, "groups": weakref.WeakSet(), "reform_hooks": [], "reforms": [], "launched": []}
 _init_lock = threading.Lock()
 
 
@@ -46,7 +52,7 @@ class Group:
         self.comm = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        world_rank = MPI.COMM_WORLD.Get_rank()
+        world_rank = (_state["base"] or MPI.COMM_WORLD).Get_rank()
         self.ranks: List[int] = mpi_comm.allgather(world_rank)
         self.ring_comm = mpi_comm.Dup()
         self.p2p_comm = mpi_comm.Dup()
@@ -95,6 +101,7 @@ class Group:
         # headers); empty outside a join (comm/joining.py).
         self.joined: List[int] = []
         self._lock = threading.RLock()
+        _state["groups"].add(self)
 
     def __repr__(self) -> str:
         return f"Group({self.name}, rank {self.rank}/{self.size}, nodes {self.cross_size})"
@@ -109,6 +116,23 @@ class Group:
             return "ranks " + ", ".join(str(r) for r in group_ranks)
         return "ranks " + ", ".join(f"{r} (world rank {self.ranks[r]})" for r in group_ranks)
 
+    def _comms(self) -> list:
+        return [self.comm, self.ring_comm, self.p2p_comm, self.ctl_comm, self.node_comm, self.cross_comm,
+                self.cross_ring_comm]
+
+    def abandon(self) -> None:
+        """Leave this group after a lost rank (elastic jobs): revoke its communicators and mark
+        this rank's flag slot abandoned, so that every survivor blocked in one of its
+        collectives (MPI or shared memory) gets RanksLostError. Nothing is freed: freeing is
+        collective over ranks that may be dead; the memory goes with the process."""
+        if self.node_flags is not None:
+            self.node_flags.abandon()
+        for c in self._comms():
+            try:
+                c.Revoke()
+            except Exception:  # already revoked, or an MPI without the extension
+                pass
+
     def free(self) -> None:
         for sbuf in self.shared_buffers:
             sbuf.free()
@@ -121,7 +145,7 @@ class Group:
             self.node_flags = None
             self.small_shm = 0
             self.lean_routes = {}  # decided with the flags
-        for c in (self.ring_comm, self.p2p_comm, self.ctl_comm, self.node_comm, self.cross_comm, self.cross_ring_comm):
+        for c in self._comms()[1:]:
             try:
                 c.Free()
             except Exception:
@@ -148,6 +172,9 @@ def init(check_slurm: bool = True) -> "Group":
         _state["MPI"] = MPI
         if check_slurm:
             launcher.check_world_size(os.environ, MPI.COMM_WORLD.Get_size())
+        if settings.rc.elastic:
+            _start_fault_tolerance(MPI)
+        _state["base"] = MPI.COMM_WORLD
         world = Group(MPI.COMM_WORLD, "world")
         _state["world"] = world
         dog = Watchdog(world.rank, lambda code: MPI.COMM_WORLD.Abort(code), stall_timeout())
@@ -156,6 +183,140 @@ def init(check_slurm: bool = True) -> "Group":
             _install_excepthook()
         _state["watchdog"] = dog
         return world
+
+
+def _start_fault_tolerance(MPI) -> None:
+    """Elastic jobs: refuse to start where a lost rank could not be survived (the job would
+    end at the first failure, which is what the user turned elastic mode on to avoid), and
+    make every MPI error a Python exception (mpi4py's default on MPI_COMM_WORLD, which every
+    hpctrain communicator inherits; set again in case a user changed it)."""
+    from . import faults
+
+    ok, why = faults.support()
+    if not ok:
+        raise ElasticError(f"HPCTRAIN_ELASTIC=1, but this job cannot survive a lost rank: {why}.\n"
+                           f"{faults.HOW_TO_ENABLE}; or unset HPCTRAIN_ELASTIC")
+    MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
+    faults.install(_abandon_all)
+    import atexit
+
+    atexit.register(_exit_without_finalize)  # atexit runs handlers last-registered first:
+    atexit.register(_write_elastic_report)  # the report, then the exit
+
+
+def _abandon_all() -> None:
+    for g in list(_state["groups"]):
+        g.abandon()
+
+
+def note_reform(**info: Any) -> None:
+    """Add facts to the last re-forming's record (the elastic layer adds the committed step
+    it resumed from); they reach ``reforms()`` and the launcher's report."""
+    if _state["reforms"]:
+        _state["reforms"][-1].update(info)
+
+
+def _write_elastic_report() -> None:
+    """At a normal exit of an elastic job's rank: what it saw, for ``hpctrain launch
+    --elastic`` (HPCTRAIN_ELASTIC_REPORT names the directory), which decides from the
+    survivors' reports whether the job finished."""
+    import json
+
+    folder = settings.rc.elastic_report
+    if not folder or _state["MPI"] is None:
+        return
+    rank_ = _state["MPI"].COMM_WORLD.Get_rank()
+    try:
+        path = os.path.join(folder, f"rank-{rank_}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"launched_rank": rank_, "finished": True, "reforms": _state["reforms"]}, f)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        sys.stderr.write(f"hpctrain: rank {rank_} could not write its elastic report to {folder}: {exc}\n")
+
+
+def _exit_without_finalize() -> None:
+    """After a re-forming, MPI_Finalize may wait forever: Open MPI's finalize fence can
+    include the dead ranks (seen with Open MPI 5.0 under --with-ft ulfm, in about half of the
+    runs). A survivor that got here finished normally: flush and leave without it."""
+    if _state["generation"] == 0:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def generation() -> int:
+    """How many times an elastic job re-formed its world (0: never)."""
+    return _state["generation"]
+
+
+def reforms() -> list:
+    """What each re-forming did: dicts of ``old_size``, ``new_size``, ``lost`` (old world
+    ranks), ``rank`` (this rank's new rank) and ``seconds`` (the shrink and rebuild)."""
+    return list(_state["reforms"])
+
+
+def on_reform(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` after each re-forming of the world (e.g. an optimizer that rebuilds
+    its buckets on the new world). Bound methods are held weakly."""
+    ref = weakref.WeakMethod(hook) if hasattr(hook, "__self__") else (lambda: hook)
+    _state["reform_hooks"].append(ref)
+
+
+def reform(min_ranks: int = 1) -> "Group":
+    """Re-form the world from the ranks still alive, after a RanksLostError (elastic jobs;
+    every survivor must call it). Revokes every group's communicators, waits for queued async
+    collectives (they fail at once on revoked communicators), shrinks the world communicator
+    (MPI_Comm_shrink) and builds a new world group on it: new ranks 0..n-1 in the old order,
+    new node and cross-node communicators, shared windows and flag slots. Process sets and
+    groups made before are gone. Raises ElasticError on every survivor when fewer than
+    ``min_ranks`` are left. The stall watchdog bounds the shrink."""
+    import time
+
+    from . import asyncq
+
+    old = world()
+    if not hasattr(old.comm, "Shrink"):
+        raise ElasticError("comm.reform needs an MPI with the ULFM extension.\n" + _how_to_enable())
+    start = time.monotonic()
+    _abandon_all()
+    asyncq.drain()  # queued async collectives fail at once on the revoked communicators: none runs later
+    dog = watchdog()
+    with dog.watch(f"re-forming the world after a lost rank (MPI_Comm_shrink of {old.size} ranks)",
+                   lambda: "some surviving rank (every survivor must call reform)"):
+        new = _state["base"].Shrink()
+        survivors = new.allgather(old.rank)
+    lost = sorted(set(range(old.size)) - set(survivors))
+    members = _state["launched"] if _state["generation"] else list(range(old.size))
+    launched = [members[r] for r in lost]
+    if new.Get_size() < min_ranks:
+        raise ElasticError(f"{len(lost)} rank(s) lost (old ranks {', '.join(map(str, lost))}): {new.Get_size()} "
+                           f"left, fewer than min_ranks={min_ranks}; ending the job.\nHINT: lower the minimum "
+                           "(HPCTRAIN_ELASTIC_MIN_RANKS, `hpctrain launch --elastic --min-np`) or resume from the "
+                           "last checkpoint with more ranks")
+    _state["launched"] = [members[r] for r in survivors]
+    _state["base"] = new
+    with _creating("the world group on the survivors", "every survivor must call reform"):
+        group = Group(new, "world")
+    _state["world"] = group
+    _state["generation"] += 1
+    dog.rank = group.rank
+    _state["reforms"].append(dict(old_size=old.size, new_size=group.size, lost=lost, lost_launched=launched,
+                                  rank=group.rank, seconds=time.monotonic() - start, time=time.time()))
+    for ref in list(_state["reform_hooks"]):
+        hook = ref()
+        if hook is None:
+            _state["reform_hooks"].remove(ref)
+        else:
+            hook()
+    return group
+
+
+def _how_to_enable() -> str:
+    from . import faults
+
+    return faults.HOW_TO_ENABLE
 
 
 def is_initialized() -> bool:

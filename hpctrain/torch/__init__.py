@@ -3,7 +3,8 @@
 Everything a Horovod PyTorch script uses is here under the same name: ``init``, ``rank``,
 ``size``, the collectives (``allreduce``, ``allgather``, ``broadcast``, ``alltoall``,
 ``reducescatter`` and their async/in-place forms), ``DistributedOptimizer``,
-``broadcast_parameters``, ``broadcast_optimizer_state``, ``Compression``, ``SyncBatchNorm``.
+``broadcast_parameters``, ``broadcast_optimizer_state``, ``Compression``, ``SyncBatchNorm``,
+``elastic`` (``hvd.elastic.run``, ``TorchState``, ``ElasticSampler``: docs/elastic.md).
 hpctrain adds sync strategies (``sync="parameter_server"``, ``"model_average"``), backends
 (``backend="gloo"``, ``"nccl"``, ``"horovod"``) and helpers (``metric_average``,
 ``DistributedSampler``, ``scale_lr``, ``print0``). See docs/torch.md.
@@ -26,6 +27,7 @@ from .ops import (Adasum, Average, Handle, HpctrainNotInitialized, Max, Min, Pro
 from .optimizer import DistributedOptimizer
 from .strategies import AllReduce, ModelAverage, ParameterServer
 from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # hvd.elastic.run, TorchState, ElasticSampler (after the names it uses)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
@@ -40,7 +42,7 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "broadcast_object", "allgather_object", "broadcast_parameters", "broadcast_optimizer_state",
-    "Compression", "DistributedOptimizer", "SyncBatchNorm",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "elastic",
     "AllReduce", "ParameterServer", "ModelAverage",
     "metric_average", "DistributedSampler", "shard_indices", "scale_lr", "warmup_factor", "print0", "log0",
     "rank_zero_only", "get_logger", "HpctrainNotInitialized",

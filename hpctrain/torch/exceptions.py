@@ -4,9 +4,7 @@ from __future__ import annotations
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]
 
 
-class HorovodInternalError(RuntimeError):
-    """A collective failed inside the communication layer (Horovod's elastic mode treats it as
-    recoverable: restore the last committed state and retry)."""
+from ..comm.errors import HorovodInternalError  # the comm layer's failures are instances of it
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -164,6 +164,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return False
 
 
+def _forget_process_sets() -> None:
+    """After an elastic job re-formed its world, the process sets made before name ranks of
+    a world that is gone: they are removed (register them again on the new world)."""
+    for ps in _process_sets[1:]:
+        ps._registered = False
+        ps._group = None
+    del _process_sets[1:]
+
+
+comm.on_reform(_forget_process_sets)
+
+
 def _group(process_set: Optional[ProcessSet]) -> Any:
     return (process_set or global_process_set)._resolve()
 

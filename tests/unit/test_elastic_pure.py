@@ -1,0 +1,149 @@
+"""The pure parts of elastic mode: whether a job can survive a lost rank, which errors are a
+lost peer, the launcher's flags and verdict, and Horovod's elastic state and sampler."""
+import pytest
+
+from hpctrain.cli import launch
+from hpctrain.comm import faults
+from hpctrain.comm.errors import CommError, RanksLostError
+
+
+def test_support_needs_the_extension_and_open_mpi_started_with_it():
+    assert faults.support({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_MCA_mpi_ft_enable": "1"}, True) == (True, "")
+    ok, why = faults.support({"OMPI_COMM_WORLD_SIZE": "3"}, True)
+    assert not ok and "--with-ft ulfm" in why
+    ok, why = faults.support({"OMPI_MCA_mpi_ft_enable": "1"}, False)
+    assert not ok and "Shrink" in why
+    ok, why = faults.support({"PMI_RANK": "0"}, True)
+    assert not ok and "Open MPI" in why
+
+
+def test_a_lost_peer_is_recognised_through_the_exception_chain():
+    assert faults.is_failure(RanksLostError("x"))
+    try:
+        try:
+            raise RanksLostError("peer died")
+        except RanksLostError as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert faults.is_failure(outer)
+    assert not faults.is_failure(CommError("mismatch"))
+    assert not faults.is_failure(ValueError("x"))
+    assert not faults.is_failure(None)
+
+
+def test_only_mpi_errors_of_the_failure_classes_translate():
+    from mpi4py import MPI
+
+    assert faults.translate(ValueError("x")) is None
+    assert faults.translate(MPI.Exception(MPI.ERR_TRUNCATE)) is None
+    failed = MPI.Exception(75)
+    if failed.Get_error_class() != 75:  # an MPI whose error codes differ: nothing to check here
+        pytest.skip(f"this MPI maps error 75 to class {failed.Get_error_class()}")
+    lost = faults.translate(failed)
+    assert isinstance(lost, RanksLostError) and "a peer rank failed" in str(lost)
+
+
+@pytest.mark.parametrize("text,flags", [
+    ("mpiexec (Open MPI) 5.0.11\n", ["--with-ft", "ulfm"]),
+    ("prterun (Open MPI) 5.0.3\n", ["--with-ft", "ulfm"]),
+])
+def test_elastic_flags_for_open_mpi_5(text, flags):
+    assert launch.elastic_flags(text) == flags
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("mpiexec (OpenRTE) 4.1.5\n", "Open MPI 5"),
+    ("HYDRA build details:\n    Version: 4.1.2\n", "only Open MPI 5"),
+])
+def test_elastic_flags_refuse_other_launchers(text, needle):
+    with pytest.raises(SystemExit, match=needle):
+        launch.elastic_flags(text)
+
+
+def test_outcome_counts_every_rank_as_finished_or_lost():
+    reforms = [dict(old_size=4, new_size=3, lost=[3], lost_launched=[3], seconds=0.01, resumed_from={"step": 3}),
+               dict(old_size=3, new_size=2, lost=[1], lost_launched=[1], seconds=0.02, resumed_from={"step": 9})]
+    reports = [{"launched_rank": 0, "finished": True, "reforms": reforms},
+               {"launched_rank": 2, "finished": True, "reforms": reforms}]
+    outcome = launch.elastic_outcome(4, reports)
+    assert outcome.finished and outcome.lost == [1, 3]
+    text = outcome.summary()
+    assert "2 of 4 rank(s) lost" in text and "4 -> 3 ranks, resumed from step=3" in text
+    assert "lost launched rank(s) 1: 3 -> 2 ranks, resumed from step=9" in text
+    # a survivor that did not report (crashed, or still running when mpiexec ended): not finished
+    assert not launch.elastic_outcome(4, reports[:1]).finished
+    assert not launch.elastic_outcome(2, []).finished
+
+
+def test_object_state_commits_restores_and_syncs():
+    from hpctrain.torch.elastic import ObjectState
+
+    sent = []
+
+    def bcast(obj):
+        sent.append(obj)
+        return {"epoch": 7, "batch": 0}  # what rank 0 holds
+
+    state = ObjectState(bcast_object=bcast, get_rank=lambda: 1, epoch=1, batch=5)
+    state.batch = 9
+    state.restore()
+    assert (state.epoch, state.batch) == (1, 5)
+    state.batch = 12
+    state.save()
+    state.batch = 13
+    state.restore()
+    assert state.batch == 12
+    state.sync()
+    assert (state.epoch, state.batch) == (7, 0) and sent == [{"epoch": 1, "batch": 12}]
+
+
+def test_reset_callbacks_run_after_a_reset():
+    from hpctrain.torch.elastic import ObjectState
+
+    calls = []
+    state = ObjectState(bcast_object=lambda o: o, get_rank=lambda: 0, step=0)
+    state.register_reset_callbacks([lambda: calls.append("a"), lambda: calls.append("b")])
+    state.on_reset()
+    assert calls == ["a", "b"]
+
+
+def test_host_updates_interrupt_every_rank_alike():
+    from hpctrain.torch.elastic import HostsUpdatedInterrupt, ObjectState
+
+    state = ObjectState(bcast_object=lambda o: o, get_rank=lambda: 0, step=0)
+    state.check_host_updates()  # nothing recorded
+    state.on_hosts_updated(5, removed_only=True)
+    with pytest.raises(HostsUpdatedInterrupt) as info:
+        state.commit()
+    assert info.value.skip_sync is True
+    state.check_host_updates()  # consumed
+
+
+def test_elastic_sampler_repartitions_the_rest_of_the_epoch(monkeypatch):
+    from hpctrain import comm
+    from hpctrain.torch.elastic import ElasticSampler
+
+    world = {"size": 3, "rank": 0}
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "size", lambda: world["size"])
+    monkeypatch.setattr(comm, "rank", lambda: world["rank"])
+    data = list(range(20))
+
+    def shares():
+        out = []
+        for r in range(world["size"]):
+            world["rank"] = r
+            s = ElasticSampler(data, shuffle=True, seed=4)
+            s.load_state_dict(state)
+            out.append(list(s))
+        return out
+
+    state = {"epoch": 2, "processed_num": 0}
+    full = shares()
+    assert set().union(*map(set, full)) == set(data) and all(len(share) == 7 for share in full)  # 21: one padded
+    order = [i for batch in zip(*full) for i in batch]  # the shuffled order, rank-interleaved
+    state = {"epoch": 2, "processed_num": 6}  # two batches of 1 on 3 ranks
+    world["size"] = 2
+    rest = shares()
+    assert sorted(rest[0] + rest[1]) == sorted(order[6:20])
+    assert len(rest[0]) == len(rest[1]) == 7
