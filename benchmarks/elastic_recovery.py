@@ -4,7 +4,7 @@
 - recovery: ``hpctrain launch --elastic -n RANKS``, launched rank RANKS-1 SIGKILLed in the
   middle of the run; the time from the kill to the first step the survivors start after
   re-forming (median over ``--runs``), and the step time (samples/s) before and after;
-- overhead: the same script without a kill, elastic (``--elastic``: Open MPI's
+- overhead: the same script without a kill (``--overhead-ranks``), elastic (``--elastic``: Open MPI's
   ``--with-ft ulfm`` and HPCTRAIN_ELASTIC=1) against a plain launch, runs alternated, median
   step time of each.
 
@@ -70,6 +70,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--width", type=int, default=512)
+    p.add_argument("--overhead-ranks", type=int, default=2,
+                   help="ranks of the no-failure runs (default 2: one per core on a 2-core machine)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rec = []
@@ -83,7 +85,7 @@ def main() -> None:
         for i in range(args.runs):
             for elastic, sink in ((True, on), (False, off)):
                 out = Path(tmp) / f"{'on' if elastic else 'off'}{i}"
-                launch(out, args.ranks, args.steps, args.width, elastic)
+                launch(out, args.overhead_ranks, args.steps, args.width, elastic)
                 sink.append(statistics.median(step_seconds(rank0_times(out))[WARMUP:]))
     med = {k: statistics.median(r[k] for r in rec) for k in rec[0]}
     print(f"\nkill -> training resumed: median {med['resume_s']:.3f} s over {args.runs} runs "
@@ -91,7 +93,7 @@ def main() -> None:
     print(f"throughput: {GLOBAL_BATCH / med['before_s']:.0f} samples/s on {args.ranks} ranks before, "
           f"{GLOBAL_BATCH / med['after_s']:.0f} after on {args.ranks - 1}")
     m_on, m_off = statistics.median(on), statistics.median(off)
-    print(f"no failure: step {m_on * 1e3:.2f} ms elastic vs {m_off * 1e3:.2f} ms plain (median of {args.runs} runs "
+    print(f"no failure, {args.overhead_ranks} ranks: step {m_on * 1e3:.2f} ms elastic vs {m_off * 1e3:.2f} ms plain (median of {args.runs} runs "
           f"each, alternated): overhead {100 * (m_on / m_off - 1):+.1f}%; per-run medians elastic "
           f"{', '.join(f'{x * 1e3:.2f}' for x in on)}, plain {', '.join(f'{x * 1e3:.2f}' for x in off)}")
 

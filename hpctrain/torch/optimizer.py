@@ -226,6 +226,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(self._strategy, AllReduce) and not self._passthrough:
             self._register_hooks()
         self._rebuild_args = (bucket_allocator, backend_name, overlap)
+        #: whether this optimizer follows a re-formed world (elastic jobs); a caller that builds
+        #: a new optimizer after a re-forming (the training runner) turns it off on the old one
+        self.follow_reforms = True
         if self._group is None:  # the world's optimizer follows an elastic job's re-formed world
             comm.on_reform(self._on_reform)
         if self._rank == 0:
@@ -518,6 +521,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         allocate fresh buckets on the new world (the old shared window belongs to a group that
         is gone) and forget the step in flight. Its gradients are dropped: the elastic state
         restores the last commit and the step runs again."""
+        if not self.follow_reforms:
+            return
         bucket_allocator, backend_name, overlap = self._rebuild_args
         if backend_name != "mpi":
             raise comm.ElasticError(f"DistributedOptimizer(backend={backend_name!r}) cannot follow a re-formed "

@@ -447,8 +447,9 @@ def open_data(run: Run) -> None:
                                   dtypes=run._dtypes(), prefetch=cfg.data.prefetch, driver=run._driver())
 
 
-def open_outputs(run: Run) -> None:
-    """config.yaml, plan.json, metrics.jsonl, TensorBoard (rank 0) and the preemption handler."""
+def open_outputs(run: Run, continuing: bool = False) -> None:
+    """config.yaml, plan.json, metrics.jsonl, TensorBoard (rank 0) and the preemption handler.
+    metrics.jsonl is appended to after a resume and when ``continuing`` (elastic re-forming)."""
     cfg, plan, rank = run.cfg, run.plan, run.rank
     if rank == 0:
         run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -457,7 +458,7 @@ def open_outputs(run: Run) -> None:
         (run.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         (run.run_dir / "plan.json").write_text(json.dumps(asdict(plan), indent=1))
     run.metrics = MetricsWriter(run.run_dir / "metrics.jsonl" if rank == 0 else None,
-                                append=run.resumed_from is not None)
+                                append=run.resumed_from is not None or continuing)
     run.tb = tensorboard(cfg, run.run_dir) if rank == 0 else None
     if rank == 0:
         log.info("plan:\n%s", plan.describe())
@@ -481,8 +482,11 @@ def tensorboard(cfg: TrainConfig, run_dir: Path) -> Any:
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
-def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: int, world: int) -> Run:
-    """Model, optimizer, resume, data and outputs of one run, in that order on every rank."""
+def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: int, world: int,
+              continuing: bool = False) -> Run:
+    """Model, optimizer, resume, data and outputs of one run, in that order on every rank.
+    ``continuing``: the same run rebuilt after an elastic job lost ranks (its outputs are
+    appended to, even when there is no checkpoint to resume from)."""
     from hpctrain.train.steps import build_step
 
     model, device = build_model(cfg, plan, world)
@@ -513,7 +517,7 @@ def build_run(cfg: TrainConfig, resume: Optional[str], plan: TrainPlan, rank: in
     open_data(run)
     if cfg.data.normalize != "none" and step_impl.task.normalizer is None:
         step_impl.task.normalizer = normalizer_from_data(run)
-    open_outputs(run)
+    open_outputs(run, continuing)
     return run
 
 

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig", "SyncConfig",
-    "EvalConfig", "CheckpointConfig", "DebugConfig", "TrainConfig", "load_config", "config_from_dict",
+    "EvalConfig", "CheckpointConfig", "DebugConfig", "ElasticConfig", "TrainConfig", "load_config", "config_from_dict",
     "apply_overrides", "parse_override", "valid_keys",
 ]
 
@@ -251,6 +251,20 @@ class DebugConfig:
     stop_at_step: int = -1       # checkpoint and stop after this many steps (as a preemption would)
     slow_rank: int = -1          # sleep slow_ms in every step on this rank (straggler tests)
     slow_ms: float = 0.0
+    kill_at_step: int = -1       # SIGKILL rank kill_rank in this step, after backward (elastic tests; once)
+    kill_rank: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """Go on when ranks die (docs/elastic.md): with ``min_ranks`` >= 1, a run started with
+    ``hpctrain launch --elastic`` re-forms on the survivors, resumes from its last checkpoint
+    with the data planned over them, and ends when fewer than ``min_ranks`` are left. 0: off."""
+
+    min_ranks: int = 0
+
+    def __post_init__(self) -> None:
+        _need(self.min_ranks >= 0, f"elastic.min_ranks: {self.min_ranks} < 0 (0: elastic mode off)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -266,6 +280,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     batch_size: Union[int, str] = 32
     lr_scaling: str = "linear"
     loss: Union[str, Dict[str, Any]] = "cross_entropy"
@@ -322,6 +337,9 @@ class TrainConfig:
             _need(self.data.policy in ("contiguous", "weighted"),
                   f"balance: auto re-weights the contiguous partition; data.policy {self.data.policy!r} "
                   "cannot be re-weighted. HINT: use data.policy: contiguous")
+        _need(not (self.parallel and self.elastic.min_ranks),
+              "elastic.min_ranks with parallel (pipeline stages): a lost rank would take a stage with it; "
+              "HINT: elastic mode is for data-parallel runs")
         if self.parallel:
             from hpctrain.parallel.config import ParallelConfig
 

@@ -207,6 +207,11 @@ class TrainLoop:
                                f"at unix time {time.time():.3f}")
         t_step = time.perf_counter()
         total, t_data, nonfinite = self.forward_backward(batches)
+        if dbg.kill_at_step == st.step and dbg.kill_rank == run.rank and comm.generation() == 0:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)  # dies between backward and the gradients' all-reduce
         t4 = time.perf_counter()
         run.opt.synchronize()  # waits for the gradient buckets (no-op for model_average)
         # Stop flag = the signal number this rank received (0: none); any rank -> all stop.

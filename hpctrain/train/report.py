@@ -68,6 +68,7 @@ def summarize(records: List[Dict[str, Any]], summary: Optional[Dict[str, Any]] =
         "stragglers": sorted({e["rank"] for e in events if e.get("what") == "straggler"}),
         "nan_events": sum(1 for e in events if str(e.get("what", "")).startswith("nan")),
         "rebalances": [e.get("weights") for e in events if e.get("what") == "rebalance"],
+        "ranks_lost": [e for e in events if e.get("what") == "ranks_lost"],
         "status": None,
     }
     if evals:
@@ -115,6 +116,9 @@ def render_summary(s: Dict[str, Any], run_dir: str) -> str:
         lines.append(f"data re-balanced {len(s['rebalances'])} time(s); last weights {s['rebalances'][-1]}")
     if s["nan_events"]:
         lines.append(f"non-finite loss events: {s['nan_events']}")
+    for e in s.get("ranks_lost", []):
+        lines.append(f"lost rank(s) {', '.join(map(str, e.get('lost', [])))} in step {e.get('step')}: "
+                     f"{e.get('ranks_before')} -> {e.get('ranks')} ranks, resumed from step {e.get('resumed_step')}")
     if s.get("checkpoint"):
         lines.append(f"last checkpoint: {s['checkpoint']}")
     if s.get("wall_s") is not None:

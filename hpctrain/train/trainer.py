@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 
 import hpctrain
 from hpctrain import comm
+from hpctrain.train import elastic
 from hpctrain.train import pipeline as pp
 from hpctrain.train.build import (Run, build_run, data_counts, import_factory, init_process, make_optimizer,
                                   per_sample_loss, resolve_batch_size, resolve_device)
@@ -127,23 +128,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> FitResult:
-        """Train to the end (or a stop condition); returns how it ended."""
+        """Train to the end (or a stop condition); returns how it ended.
+
+        With ``elastic.min_ranks`` (a job started with ``hpctrain launch --elastic``), a lost
+        rank does not end the run: the survivors re-form the world, resume from the last
+        checkpoint with the data planned over them, and go on (``_recover``)."""
         t_begin = time.perf_counter()
         rank, world = init_process(self.cfg)
-        self.rank, self.world = rank, world
+        elastic.check_job(self.cfg)
         user_callbacks = load_callbacks(self.cfg.callbacks)
-        self.plan = self.make_plan(world)  # every rank computes the same one
-        run = build_run(self.cfg, self.resume, self.plan, rank, world)
-        self.pipe, self.device = run.pipe, run.step_impl.device
-        loop = TrainLoop(run, builtin_callbacks(run) + user_callbacks)
-        try:
-            state = loop.run_loop()
-        finally:
-            run.close()
+        resume, losses = self.resume, []
+        while True:
+            self.rank, self.world = rank, world
+            self.plan = self.make_plan(world)  # every rank computes the same one
+            run = build_run(self.cfg, resume, self.plan, rank, world, continuing=bool(losses))
+            elastic.record_losses(run, losses)
+            self.pipe, self.device = run.pipe, run.step_impl.device
+            loop = TrainLoop(run, builtin_callbacks(run) + user_callbacks)
+            try:
+                state = loop.run_loop()
+            except comm.HorovodInternalError as exc:
+                if not elastic.recoverable(self.cfg, exc):
+                    raise
+                losses.append(elastic.recover(self.cfg, run, loop.state.step))
+                rank, world, resume = comm.rank(), comm.size(), "auto"
+                continue
+            finally:
+                run.close()
+            break
         self.plan = run.plan
         result = self._result(run, state, t_begin)
         loop.emit("on_fit_end", result)
-        self._write_summary(run, state, result)
+        self._write_summary(run, state, result, losses)
         return result
 
     # ------------------------------------------------------------------ the end
@@ -158,11 +174,12 @@ class Trainer:
                          test_accuracy=st.last_eval.get("test_accuracy"), test_loss=st.last_eval.get("test_loss"),
                          wall_s=wall, message=st.message, signal=st.signal, requeued=requeued)
 
-    def _write_summary(self, run: Run, st: LoopState, result: FitResult) -> None:
+    def _write_summary(self, run: Run, st: LoopState, result: FitResult, losses: List[dict]) -> None:
         """The closing event and summary.json (rank 0); closes the metrics outputs."""
         if run.rank == 0:
             run.metrics.write({"kind": "event", "step": st.step, "what": st.status, "message": st.message})
             summary = {"result": asdict(result), "plan": asdict(run.plan), "world_size": run.world,
+                       "ranks_lost": losses,
                        "train_seconds": time.perf_counter() - st.t_train, "hpctrain_version": hpctrain.__version__,
                        "config": self.cfg.to_dict()}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

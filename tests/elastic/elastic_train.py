@@ -27,9 +27,12 @@ parser.add_argument("--where", default="optimizer",
 parser.add_argument("--out", required=True)
 parser.add_argument("--resume", default=None, help="a state file written at a reset: start from it")
 parser.add_argument("--width", type=int, default=32, help="hidden layer width (benchmarks use a bigger model)")
+parser.add_argument("--replay", action="store_true",
+                    help="after finishing, run again from the state resumed at the last reset, without kills, on "
+                         "the same ranks, and write replay-LAUNCHED.pt (the test compares it with final-LAUNCHED.pt)")
 args = parser.parse_args()
 
-LAUNCHED = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+LAUNCHED = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("SLURM_PROCID") or 0)
 KILLS = {int(r): int(s) for r, s in (k.split(":") for k in args.kill.split(",") if k)}
 
 hvd.init()
@@ -113,8 +116,25 @@ def train(state):
             die_here("sync", state.step)
 
 
+def replay() -> torch.Tensor:
+    """The reference: the remaining steps again from the state the survivors resumed from (rank 0's
+    restored commit, read by every rank), plain (not under elastic.run), on the survivors."""
+    n = len(hpctrain.comm.reforms())
+    saved = torch.load(os.path.join(args.out, f"resumed-{n}.pt"), weights_only=False)
+    model.load_state_dict(saved["model"])
+    base_opt.load_state_dict(saved["optimizer"])
+    for group in base_opt.param_groups:
+        group["lr"] = 0.05 * hvd.size()
+    args.where = "none"  # no kills
+    state.step = saved["step"]
+    train.__wrapped__(state)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 train(state)
 weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+if args.replay and hpctrain.comm.reforms():
+    torch.save({"weights": replay()}, os.path.join(args.out, f"replay-{LAUNCHED}.pt"))
 torch.save({"weights": weights, "size": hvd.size(), "rank": hvd.rank(), "step": state.step,
             "step_times": torch.tensor(step_times, dtype=torch.float64)},
            os.path.join(args.out, f"final-{LAUNCHED}.pt"))

@@ -147,3 +147,46 @@ def test_elastic_sampler_repartitions_the_rest_of_the_epoch(monkeypatch):
     rest = shares()
     assert sorted(rest[0] + rest[1]) == sorted(order[6:20])
     assert len(rest[0]) == len(rest[1]) == 7
+
+
+def test_the_report_names_each_loss_of_ranks():
+    from hpctrain.train.report import render_summary, summarize
+
+    def step(s, ranks):
+        fields = ("step_time", "data_wait", "forward", "backward", "comm", "optimizer")
+        return {"kind": "train", "step": s, "loss": 1.0 / s, "step_time": 0.01,
+                **{"rank_" + f: [0.002] * ranks for f in fields}}
+
+    records = [step(s, 3) for s in range(1, 13)]
+    records.append({"kind": "event", "what": "ranks_lost", "step": 13, "lost": [1], "ranks_before": 3, "ranks": 2,
+                    "resumed_step": 12})
+    records += [step(s, 2) for s in range(13, 31)]
+    s = summarize(records)
+    assert s["ranks"] == 2 and len(s["ranks_lost"]) == 1
+    assert "lost rank(s) 1 in step 13: 3 -> 2 ranks, resumed from step 12" in render_summary(s, "run")
+
+
+def test_config_elastic_section():
+    from hpctrain.train.config import ConfigError, config_from_dict
+
+    base = {"data": {"train": ["x.h5"]}, "steps": 5}
+    assert config_from_dict({**base, "elastic": {"min_ranks": 2}}).elastic.min_ranks == 2
+    assert config_from_dict(base).elastic.min_ranks == 0
+    with pytest.raises(ConfigError, match="min_ranks"):
+        config_from_dict({**base, "elastic": {"min_ranks": -1}})
+    with pytest.raises(ConfigError, match="pipeline"):
+        config_from_dict({**base, "elastic": {"min_ranks": 2}, "parallel": {"pipeline_stages": 2}})
+
+
+def test_a_non_elastic_job_refuses_an_elastic_config(monkeypatch):
+    from hpctrain.train import elastic
+    from hpctrain.train.config import ConfigError, config_from_dict
+
+    monkeypatch.setenv("HPCTRAIN_ELASTIC", "0")
+    from hpctrain import settings
+
+    settings.reset()
+    cfg = config_from_dict({"data": {"train": ["x.h5"]}, "steps": 5, "elastic": {"min_ranks": 2}})
+    with pytest.raises(ConfigError, match="--elastic"):
+        elastic.check_job(cfg)
+    settings.reset()
