@@ -104,6 +104,12 @@ def batch(tmp_path_factory) -> Dict[str, tuple]:
                              "--export", f"EVIL={hostile[1]}",
                              command=[PY, "-c", "import os, sys; print('ARGS', repr(sys.argv[1:])); "
                                       "print('EVIL', repr(os.environ['EVIL']))", *hostile]), (d, marker, hostile))
+    # An elastic job: one of 3 ranks SIGKILLs itself; the two survivors finish.
+    d = base / "elastic"
+    jobs["elastic"] = (submit("cpu-mpi", d, "--launcher", "mpirun", "--tasks-per-node", "3", "--elastic-min-ranks",
+                              "2", "--job-name", "elastic",
+                              command=[PY, str(ROOT / "tests" / "elastic" / "elastic_train.py"), "--steps", "12",
+                                       "--kill", "2:5", "--out", str(d)]), d)
     # A job array: one task per shard.
     d = base / "array"
     jobs["array"] = (submit("data-shard-array", d, "--array", "0-2", "--job-name", "shards",
@@ -171,6 +177,16 @@ def test_cpu_template_allreduce(batch, launcher):
     assert "rank 1: launcher=" + launcher in text
     script = (d / f"ar-{launcher}.sbatch").read_text()
     assert ("srun --mpi=pmix" if launcher == "srun" else "mpirun -n") in script
+
+
+def test_elastic_job_loses_a_rank_and_completes(batch):
+    job, d = batch["elastic"]
+    info = finished(job, d)
+    text = logs(d, job)
+    assert info["JobState"] == "COMPLETED", story(job, d, info)
+    assert "elastic job: 1 of 3 rank(s) lost; 2 finished" in text and "lost launched rank(s) 2" in text, text
+    assert sorted(p.name for p in d.glob("final-*.pt")) == ["final-0.pt", "final-1.pt"], text
+    assert "hpctrain launch --elastic" in (d / "elastic.sbatch").read_text()
 
 
 def test_selfcheck_verb_in_a_job(batch):

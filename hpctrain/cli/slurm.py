@@ -97,6 +97,9 @@ def option_parser(action: str) -> argparse.ArgumentParser:
                    help="environment variable for the run (repeatable)")
     g.add_argument("--launcher", choices=("srun", "mpirun", "none"),
                    help="srun --mpi=pmix (default), Open MPI's mpirun, or none (one process)")
+    g.add_argument("--elastic-min-ranks", type=int, metavar="M",
+                   help="elastic job: ranks that die do not end it, down to M survivors (needs --launcher "
+                        "mpirun; runs `hpctrain launch --elastic`; docs/elastic.md)")
     if action == "render":
         p.add_argument("-o", "--out", help="write the script to this file instead of stdout")
     if action == "submit":

@@ -142,6 +142,7 @@ class JobSpec:
     exports: Tuple[Tuple[str, str], ...] = ()
     array: Optional[str] = None
     sbatch_args: Tuple[str, ...] = ()
+    elastic_min_ranks: int = 0
 
     def __post_init__(self) -> None:
         if not self.command or not all(isinstance(w, str) for w in self.command):
@@ -173,6 +174,7 @@ class JobSpec:
                 raise ValueError(f"{option_name(name)} is empty; leave the option out instead")
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"--launcher {self.launcher!r} is unknown; expected one of {', '.join(LAUNCHERS)}")
+        self._check_elastic()
         limit = parse_time_limit(self.time)
         if not 0 <= self.signal_seconds <= _MAX_SIGNAL_SECONDS:
             raise ValueError(
@@ -201,6 +203,18 @@ class JobSpec:
                     f"--sbatch-arg {arg!r} must be a long sbatch option such as --exclusive "
                     "or --mail-type=END"
                 )
+
+    def _check_elastic(self) -> None:
+        if not self.elastic_min_ranks:
+            return
+        if self.launcher != "mpirun":
+            raise ValueError(
+                "--elastic-min-ranks needs --launcher mpirun: under srun --mpi=pmix, SLURM's PMIx plugin "
+                "cancels the whole job step when one task dies (Slurm's pmix_v4 plugin, measured), so the "
+                "survivors cannot go on. HINT: add --launcher mpirun (Open MPI 5 with ULFM; docs/elastic.md)")
+        if not 1 <= self.elastic_min_ranks <= self.ntasks:
+            raise ValueError(f"--elastic-min-ranks must be between 1 and the job's {self.ntasks} tasks, got "
+                             f"{self.elastic_min_ranks}")
 
     @property
     def ntasks(self) -> int:
@@ -245,7 +259,7 @@ class TemplateInfo:
 
 _COMMON = ("job_name", "time", "partition", "account", "qos", "mem", "constraint", "output",
            "error", "chdir", "signal_seconds", "modules", "venv", "env_setup", "exports",
-           "sbatch_args", "cpus_per_task", "launcher")
+           "sbatch_args", "cpus_per_task", "launcher", "elastic_min_ranks")
 
 TEMPLATES: Dict[str, TemplateInfo] = {
     t.name: t

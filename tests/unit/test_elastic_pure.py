@@ -190,3 +190,16 @@ def test_a_non_elastic_job_refuses_an_elastic_config(monkeypatch):
     with pytest.raises(ConfigError, match="--elastic"):
         elastic.check_job(cfg)
     settings.reset()
+
+
+def test_sbatch_templates_render_elastic_jobs_with_mpirun_only():
+    from hpctrain.slurm.render import make_spec, render
+
+    spec = make_spec("cpu-mpi", ["python", "train.py"], launcher="mpirun", tasks_per_node=3, elastic_min_ranks=2)
+    text = render("cpu-mpi", spec)
+    assert 'launch=(hpctrain launch --elastic -n "${SLURM_NTASKS}" --min-np 2 --)' in text
+    assert "--with-ft" not in render("cpu-mpi", make_spec("cpu-mpi", ["python", "t.py"], launcher="mpirun"))
+    with pytest.raises(ValueError, match="cancels the whole job step"):
+        make_spec("cpu-mpi", ["python", "t.py"], launcher="srun", elastic_min_ranks=2)
+    with pytest.raises(ValueError, match="between 1 and the job's 2 tasks"):
+        make_spec("cpu-mpi", ["python", "t.py"], launcher="mpirun", elastic_min_ranks=3)
