@@ -224,7 +224,7 @@ class ElasticOutcome:
 def elastic_outcome(launched: int, reports: List[dict]) -> ElasticOutcome:
     """Merge the finished ranks' reports: every survivor saw the same re-formings (taken from
     the report that saw the most)."""
-    finished = sorted(r["launched_rank"] for r in reports if r.get("finished"))
+    finished = sorted(r["launched_rank"] for r in reports if r.get("finished") and not r.get("exit_code"))
     longest = max(reports, key=lambda r: len(r.get("reforms", [])), default={})
     return ElasticOutcome(launched, finished, list(longest.get("reforms", [])))
 

@@ -109,8 +109,67 @@ def _on_failure() -> None:
 
 
 def install(on_failure) -> None:
-    """Turn translation on (elastic jobs): ``on_failure()`` revokes and abandons every group."""
+    """Turn translation on (elastic jobs): ``on_failure()`` revokes and abandons every group.
+    Also records the code ``sys.exit`` is called with (see ``leave``)."""
+    import sys
+
     from . import watchdog
 
     _hooks["on_failure"] = on_failure
     watchdog.TRANSLATE["fn"] = translate
+    if getattr(sys.exit, "__name__", "") != "_recording_exit":
+        _exit["original"] = sys.exit
+        sys.exit = _recording_exit
+
+
+# The code this process is exiting with, as far as sys.exit told (an atexit handler cannot
+# read it): 0 unless sys.exit was called with something else.
+_exit: dict = {"code": 0, "original": None}
+
+
+def _recording_exit(code=0):
+    _exit["code"] = code
+    _exit["original"](code)
+
+
+def exit_code(code=None) -> int:
+    """The process exit status Python gives ``sys.exit(code)``: None 0, a number its low
+    byte, anything else 1 (Python has printed it already)."""
+    code = _exit["code"] if code is None else code
+    if code is None:
+        return 0
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code & 0xFF
+    return 1
+
+
+def write_report(folder: Optional[str], launched_rank: int, reforms: list) -> None:
+    """What this rank saw, for ``hpctrain launch --elastic`` (which decides from the finished
+    ranks' reports whether the job finished): ``folder/rank-N.json``, written atomically."""
+    if not folder:
+        return
+    import json
+    import sys
+
+    path = os.path.join(folder, f"rank-{launched_rank}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"launched_rank": launched_rank, "finished": True, "exit_code": exit_code(),
+                       "reforms": reforms}, f)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        sys.stderr.write(f"hpctrain: rank {launched_rank} could not write its elastic report to {folder}: {exc}\n")
+
+
+def leave() -> None:
+    """Exit a survivor without MPI_Finalize, keeping its exit code: after a re-forming, Open
+    MPI 5.0's finalize can wait forever for the dead ranks (its fence includes them: seen in
+    about half of the runs here). Output and logging are flushed first; exit handlers
+    registered before elastic mode started do not run."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code())

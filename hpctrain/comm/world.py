@@ -200,8 +200,7 @@ def _start_fault_tolerance(MPI) -> None:
     faults.install(_abandon_all)
     import atexit
 
-    atexit.register(_exit_without_finalize)  # atexit runs handlers last-registered first:
-    atexit.register(_write_elastic_report)  # the report, then the exit
+    atexit.register(_at_exit)
 
 
 def _abandon_all() -> None:
@@ -216,34 +215,17 @@ def note_reform(**info: Any) -> None:
         _state["reforms"][-1].update(info)
 
 
-def _write_elastic_report() -> None:
-    """At a normal exit of an elastic job's rank: what it saw, for ``hpctrain launch
-    --elastic`` (HPCTRAIN_ELASTIC_REPORT names the directory), which decides from the
-    survivors' reports whether the job finished."""
-    import json
+def _at_exit() -> None:
+    """Elastic jobs, at a rank's normal exit: its report for ``hpctrain launch --elastic``,
+    then, after a re-forming, the exit without MPI_Finalize (faults.leave)."""
+    from . import faults
 
-    folder = settings.rc.elastic_report
-    if not folder or _state["MPI"] is None:
+    MPI = _state["MPI"]
+    if MPI is None:
         return
-    rank_ = _state["MPI"].COMM_WORLD.Get_rank()
-    try:
-        path = os.path.join(folder, f"rank-{rank_}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"launched_rank": rank_, "finished": True, "reforms": _state["reforms"]}, f)
-        os.replace(path + ".tmp", path)
-    except OSError as exc:
-        sys.stderr.write(f"hpctrain: rank {rank_} could not write its elastic report to {folder}: {exc}\n")
-
-
-def _exit_without_finalize() -> None:
-    """After a re-forming, MPI_Finalize may wait forever: Open MPI's finalize fence can
-    include the dead ranks (seen with Open MPI 5.0 under --with-ft ulfm, in about half of the
-    runs). A survivor that got here finished normally: flush and leave without it."""
-    if _state["generation"] == 0:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    faults.write_report(settings.rc.elastic_report, MPI.COMM_WORLD.Get_rank(), _state["reforms"])
+    if _state["generation"]:
+        faults.leave()
 
 
 def generation() -> int:

@@ -70,8 +70,11 @@ def test_outcome_counts_every_rank_as_finished_or_lost():
     text = outcome.summary()
     assert "2 of 4 rank(s) lost" in text and "4 -> 3 ranks, resumed from step=3" in text
     assert "lost launched rank(s) 1: 3 -> 2 ranks, resumed from step=9" in text
-    # a survivor that did not report (crashed, or still running when mpiexec ended): not finished
+    # a survivor that did not report (crashed, or still running when mpiexec ended), or that
+    # exited with an error: not finished
     assert not launch.elastic_outcome(4, reports[:1]).finished
+    failed = [reports[0], {**reports[1], "exit_code": 2}]
+    assert not launch.elastic_outcome(4, failed).finished
     assert not launch.elastic_outcome(2, []).finished
 
 
@@ -203,3 +206,12 @@ def test_sbatch_templates_render_elastic_jobs_with_mpirun_only():
         make_spec("cpu-mpi", ["python", "t.py"], launcher="srun", elastic_min_ranks=2)
     with pytest.raises(ValueError, match="between 1 and the job's 2 tasks"):
         make_spec("cpu-mpi", ["python", "t.py"], launcher="mpirun", elastic_min_ranks=3)
+
+
+@pytest.mark.parametrize("code,status", [(0, 0), (3, 3), (257, 1), ("bad input", 1), (True, 1)])
+def test_exit_code_as_python_computes_it(code, status):
+    assert faults.exit_code(code) == status
+
+
+def test_exit_code_without_sys_exit_is_zero():
+    assert faults.exit_code() == 0
