@@ -324,3 +324,21 @@ def test_slurm_training_job_on_two_nodes(slurm_jobs):
     # Same data, seed and rank layout: the launcher must not change the result.
     assert summaries["srun"]["result"]["step"] == summaries["mpirun"]["result"]["step"]
     assert summaries["srun"]["result"]["final_loss"] == pytest.approx(summaries["mpirun"]["result"]["final_loss"], rel=1e-6)
+
+
+def test_elastic_survivors_go_on_across_nodes(multinode_cluster, tmp_path):
+    """An elastic job across 2 nodes × 2 ranks (TCP between them): the rank on node2 that
+    dies at step 5 leaves 3 survivors on both nodes, which re-form (new node and cross-node
+    communicators), finish, and match their own replay from the resumed state bit for bit."""
+    import torch
+
+    script = ROOT_DIR / "tests" / "elastic" / "elastic_train.py"
+    argv = ["--with-ft", "ulfm", "-x", "HPCTRAIN_ELASTIC=1",
+            *python_argv(str(script), "--steps", "12", "--kill", "3:5", "--replay", "--out", str(tmp_path))]
+    proc = run_mpi_on_cluster("node1:2,node2:2", argv, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "lost rank(s) 3 (launched ranks 3) of 4; continuing on 3 rank(s)" in proc.stdout, proc.stdout[-4000:]
+    for r in range(3):
+        final = torch.load(tmp_path / f"final-{r}.pt", weights_only=True)
+        replay = torch.load(tmp_path / f"replay-{r}.pt", weights_only=True)
+        assert final["size"] == 3 and torch.equal(final["weights"], replay["weights"]), r

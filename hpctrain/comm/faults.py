@@ -95,11 +95,29 @@ def translate(exc: BaseException) -> Optional[RanksLostError]:
         _on_failure()
         return None  # already the right type
     code = error_class(exc)
-    if code is None or code not in failure_classes():
+    if code is None or not (code in failure_classes() or (code == _err_in_status() and _failures_known())):
         return None
     _on_failure()
     kind = "revoked by a survivor that saw a rank fail" if code == 77 else "a peer rank failed"
     return RanksLostError(f"a collective failed: {kind} (MPI error class {code}: {str(exc).strip()})")
+
+
+def _err_in_status() -> int:
+    """MPI_ERR_IN_STATUS: a multi-request wait (Waitall, Waitsome) whose requests failed; the
+    cause is in the statuses, which hpctrain does not ask for."""
+    from mpi4py import MPI
+
+    return MPI.ERR_IN_STATUS
+
+
+def _failures_known() -> bool:
+    """Whether this process knows of a failed process in the job (MPIX_Comm_get_failed)."""
+    try:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_failed().Get_size() > 0
+    except Exception:  # no ULFM, or the call itself failed
+        return False
 
 
 def _on_failure() -> None:
