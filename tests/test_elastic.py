@@ -27,14 +27,15 @@ def _ft_available() -> bool:
     return hasattr(MPI.Comm, "Shrink")
 
 
-def launch_elastic(out: Path, ranks: int, kill: str, where: str, min_np=None, timeout: float = 300, replay=True):
+def launch_elastic(out: Path, ranks: int, kill: str, where: str, min_np=None, timeout: float = 300, replay=True,
+                   env=None):
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hpctrain.cli.main", "launch", "--elastic", "-n", str(ranks)]
     if min_np is not None:
         cmd += ["--min-np", str(min_np)]
     cmd += ["--", *python_argv(SCRIPT, "--steps", str(STEPS), "--kill", kill, "--where", where, "--out", str(out),
                                *(["--replay"] if replay else []))]
-    return run_command(cmd, timeout=timeout)
+    return run_command(cmd, timeout=timeout, env=env)
 
 
 def finals(out: Path) -> dict:
@@ -100,6 +101,17 @@ def test_two_ranks_lost_one_after_the_other(tmp_path):
     result = launch_elastic(tmp_path / "run", 4, "3:4,1:9", "optimizer")
     check_exact_recovery(tmp_path, tmp_path / "run", result, 2, [1, 3], 2)
     assert "4 -> 3 ranks" in result.stdout and "3 -> 2 ranks" in result.stdout
+
+
+def test_a_stall_explained_by_a_lost_rank_reforms_instead_of_aborting(tmp_path):
+    """Launched rank 0 waits for a message from rank 1 (busy 8 s outside MPI) when rank 2 dies:
+    no MPI call of rank 0 involves the dead rank, so its stall watchdog (3 s) fires; MPI knows
+    of a failed process, so the watchdog revokes instead of aborting and the survivors re-form."""
+    if not _ft_available():
+        pytest.skip("mpi4py without the ULFM extension")
+    result = launch_elastic(tmp_path / "run", 3, "2:6", "stall", env={"HPCTRAIN_STALL_TIMEOUT": "3"})
+    assert "a process of the job has failed: treating it as a lost rank" in result.stdout, result.stdout[-4000:]
+    check_exact_recovery(tmp_path, tmp_path / "run", result, 2, [2], 1)
 
 
 def test_rank_zero_killed_while_writing_a_checkpoint_loses_no_checkpoint(tmp_path):

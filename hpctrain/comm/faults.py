@@ -120,6 +120,25 @@ def _failures_known() -> bool:
         return False
 
 
+def stall_is_a_lost_rank(what: str, waited: float, waiting_for) -> bool:
+    """The stall watchdog's question in an elastic job: is this stalled wait explained by a
+    process that failed (one MPI knows of)? Then revoke everything (the wait, and every
+    survivor's, ends with RanksLostError, and the job re-forms) instead of aborting the job.
+    A wait that stalls while every process is alive is a stall as anywhere else."""
+    if not _failures_known():
+        return False
+    import sys
+
+    try:
+        missing = waiting_for()
+    except Exception:
+        missing = "?"
+    print(f"hpctrain: {what} has waited {waited:.1f} s for {missing}, and a process of the job has failed: "
+          "treating it as a lost rank (revoking the communicators; the survivors re-form)", file=sys.stderr, flush=True)
+    _on_failure()
+    return True
+
+
 def _on_failure() -> None:
     hook = _hooks["on_failure"]
     if hook is not None:
@@ -135,6 +154,7 @@ def install(on_failure) -> None:
 
     _hooks["on_failure"] = on_failure
     watchdog.TRANSLATE["fn"] = translate
+    watchdog.ON_STALL["fn"] = stall_is_a_lost_rank
     if getattr(sys.exit, "__name__", "") != "_recording_exit":
         _exit["original"] = sys.exit
         sys.exit = _recording_exit

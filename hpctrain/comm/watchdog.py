@@ -17,6 +17,10 @@ Text = Union[str, Callable[[], str]]  # messages are built only when a stall is 
 # Elastic jobs: faults.translate, which turns an MPI error of a lost peer leaving a watched
 # wait into RanksLostError (and revokes this rank's communicators); None elsewhere.
 TRANSLATE: dict = {"fn": None}
+# Elastic jobs: faults.stall_is_a_lost_rank(what, waited, missing) -> True when a stalled wait
+# is explained by a failed process (it revokes, and the wait ends with RanksLostError);
+# the job is then not aborted. None elsewhere.
+ON_STALL: dict = {"fn": None}
 
 
 def text(what: Text) -> str:
@@ -92,8 +96,15 @@ class Watchdog:
             now = time.monotonic()
             for wait in list(self._waits.values()):
                 if now - wait.since > self.timeout + wait.grace:
+                    if self._lost_rank(wait, now - wait.since):
+                        wait.since = now  # the wait now ends with RanksLostError; watch it anew
+                        continue
                     self._fire(wait, now - wait.since)
                     return
+
+    def _lost_rank(self, wait: Wait, waited: float) -> bool:
+        hook = ON_STALL["fn"]
+        return hook is not None and hook(text(wait.what), waited, wait.waiting_for)
 
     def _fire(self, wait: Wait, waited: float) -> None:
         try:

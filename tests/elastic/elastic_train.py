@@ -23,7 +23,7 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--commit-every", type=int, default=3)
 parser.add_argument("--kill", default="", help="LAUNCHED_RANK:STEP[,...]: SIGKILL that rank at that step")
 parser.add_argument("--where", default="optimizer",
-                    choices=("optimizer", "allreduce", "grouped", "shm", "checkpoint", "sync"))
+                    choices=("optimizer", "allreduce", "grouped", "shm", "checkpoint", "sync", "stall"))
 parser.add_argument("--out", required=True)
 parser.add_argument("--resume", default=None, help="a state file written at a reset: start from it")
 parser.add_argument("--width", type=int, default=32, help="hidden layer width (benchmarks use a bigger model)")
@@ -89,6 +89,18 @@ def save_checkpoint(step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def stall_with_a_survivor(step: int) -> None:
+    """Launched rank 1 is busy (8 s, outside MPI) while launched rank 0 waits for a message
+    from it and the victim dies: rank 0's wait involves no dead process, so only its stall
+    watchdog (HPCTRAIN_STALL_TIMEOUT) can tell that the job lost a rank."""
+    die_here("stall", step)
+    if LAUNCHED == 1:
+        time.sleep(8)
+        hpctrain.comm.send_object(step, dest=0)
+    elif LAUNCHED == 0:
+        hpctrain.comm.recv_object(source=1)
+
+
 step_times = []  # (wall time at the end of a step, the step, ranks)
 
 
@@ -107,6 +119,8 @@ def train(state):
         die_here("grouped", step)
         hvd.grouped_allreduce([p.detach().sum().reshape(1) for p in model.parameters()], name="sums")
         die_here("shm", step)
+        if args.where == "stall" and step in KILLS.values() and hpctrain.comm.generation() == 0:
+            stall_with_a_survivor(step)
         hvd.allreduce(torch.ones(262144) * hvd.rank(), name="big", op=hvd.Sum)  # 1 MiB: the piped shm path
         state.step = step + 1
         step_times.append((time.time(), step, hvd.size()))

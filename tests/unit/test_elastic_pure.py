@@ -216,3 +216,23 @@ def test_exit_code_as_python_computes_it(code, status):
 
 def test_exit_code_without_sys_exit_is_zero():
     assert faults.exit_code() == 0
+
+
+def test_the_watchdog_asks_the_elastic_hook_before_aborting(monkeypatch):
+    import time
+
+    from hpctrain.comm import watchdog
+
+    aborted, asked = [], []
+
+    def hook(what, waited, missing):  # a lost rank the first time, a plain stall the second
+        asked.append((what, missing()))
+        return len(asked) == 1
+
+    monkeypatch.setitem(watchdog.ON_STALL, "fn", hook)
+    dog = watchdog.Watchdog(0, aborted.append, 0.1)
+    dog.start()
+    with dog.watch("recv_object from rank 1", lambda: "rank 1"):
+        time.sleep(0.8)
+    dog.stop()
+    assert asked[:2] == [("recv_object from rank 1", "rank 1")] * 2 and aborted == [3]
