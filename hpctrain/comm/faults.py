@@ -98,7 +98,9 @@ def translate(exc: BaseException) -> Optional[RanksLostError]:
     if code is None or not (code in failure_classes() or (code == _err_in_status() and _failures_known())):
         return None
     _on_failure()
-    kind = "revoked by a survivor that saw a rank fail" if code == 77 else "a peer rank failed"
+    from mpi4py import MPI
+
+    kind = "revoked by a survivor that saw a rank fail" if code == getattr(MPI, "ERR_REVOKED", 77) else "a peer rank failed"
     return RanksLostError(f"a collective failed: {kind} (MPI error class {code}: {str(exc).strip()})")
 
 

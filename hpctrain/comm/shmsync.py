@@ -18,6 +18,7 @@ from mpi4py import MPI
 from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError, RanksLostError
+from .watchdog import text
 
 try:
     from . import _shmsync
@@ -118,7 +119,8 @@ class NodeFlags:
             return None
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         wanted = slot_bytes_wanted() if slot_bytes is None else slot_bytes
-        votes = node_comm.allgather((available(), cpus, wanted, small_allreduce_bytes(), os.getpid()))
+        votes = node_comm.allgather((available(), cpus, wanted, small_allreduce_bytes(), os.getpid(),
+                                     settings.rc.elastic))
         if not all(v[0] for v in votes):
             return None
         slot_bytes = min(v[2] for v in votes)
@@ -126,7 +128,8 @@ class NodeFlags:
         usable = set().union(*(set(v[1]) for v in votes))
         # more ranks than cores: a spinning rank would take the core its peer needs
         spin = _SPIN_ITERATIONS if len(usable) >= node_comm.Get_size() else 0
-        pids = _watched_pids(node_comm, [v[4] for v in votes])
+        # decided from the votes, so that every rank makes _watched_pids' collective or none does
+        pids = _watched_pids(node_comm, [v[4] for v in votes]) if all(v[5] for v in votes) else None
         flags, error = None, None
         try:
             flags = cls(node_comm, slot_bytes, spin, small_bytes, pids)
@@ -178,7 +181,7 @@ class NodeFlags:
             return
         if status == ST_ABANDONED:
             gone = self.ctx.gone
-            raise RanksLostError(f"{text_of(what)}: local rank {gone} of this node left the collective (its process "
+            raise RanksLostError(f"{text(what)}: local rank {gone} of this node left the collective (its process "
                                  "exited, or it left the group after a failure elsewhere)")
         if status == ST_MISMATCH:
             from .guard import HEADER_LEN, mismatch_report
@@ -205,18 +208,11 @@ class NodeFlags:
             self.win = None
 
 
-
-def text_of(what) -> str:
-    return what() if callable(what) else str(what)
-
-
 def _watched_pids(node_comm, pids: list) -> Optional[list]:
-    """The local ranks' process ids when waits should check that their peers still exist:
-    in elastic jobs only (elsewhere the launcher ends the job when a rank dies), and only when
-    every rank sees every other's process (not when ranks sit in separate PID namespaces that
-    share memory: a peer's id would look gone). Collective over ``node_comm``."""
-    if not settings.rc.elastic:
-        return None
+    """The local ranks' process ids when waits should check that their peers still exist
+    (called in elastic jobs only: elsewhere the launcher ends the job when a rank dies), or
+    None when some rank does not see every other's process (ranks in separate PID namespaces
+    that share memory: a peer's id would look gone). Collective over ``node_comm``."""
     visible = 1
     for pid in pids:
         try:

@@ -15,7 +15,7 @@ import numpy as np
 from .. import settings
 from . import guard, launcher
 from .asyncq import drain
-from .errors import CommError, ElasticError, NotInitializedError
+from .errors import CommError, ElasticError, NotInitializedError, RanksLostError
 from .guard import agree, make_header
 from .plan import Topology, topology_from_keys
 from .watchdog import Watchdog, stall_timeout
@@ -175,6 +175,7 @@ def init(check_slurm: bool = True) -> "Group":
         if settings.rc.elastic:
             _start_fault_tolerance(MPI)
         _state["base"] = MPI.COMM_WORLD
+        _state["launched"] = list(range(MPI.COMM_WORLD.Get_size()))
         world = Group(MPI.COMM_WORLD, "world")
         _state["world"] = world
         dog = Watchdog(world.rank, lambda code: MPI.COMM_WORLD.Abort(code), stall_timeout())
@@ -252,40 +253,34 @@ def reform(min_ranks: int = 1) -> "Group":
     collectives (they fail at once on revoked communicators), shrinks the world communicator
     (MPI_Comm_shrink) and builds a new world group on it: new ranks 0..n-1 in the old order,
     new node and cross-node communicators, shared windows and flag slots. Process sets and
-    groups made before are gone. Raises ElasticError on every survivor when fewer than
-    ``min_ranks`` are left. The stall watchdog bounds the shrink."""
+    groups made before are gone. A rank lost meanwhile makes the survivors start over (the
+    shrink leaves out every failed process MPI knows of). Raises ElasticError on every
+    survivor when fewer than ``min_ranks`` are left. The stall watchdog bounds the shrink."""
+    import gc
     import time
 
-    from . import asyncq
+    from . import asyncq, faults
 
     old = world()
     if not hasattr(old.comm, "Shrink"):
-        raise ElasticError("comm.reform needs an MPI with the ULFM extension.\n" + _how_to_enable())
+        raise ElasticError("comm.reform needs an MPI with the ULFM extension.\n" + faults.HOW_TO_ENABLE)
     start = time.monotonic()
-    _abandon_all()
-    asyncq.drain()  # queued async collectives fail at once on the revoked communicators: none runs later
-    dog = watchdog()
-    with dog.watch(f"re-forming the world after a lost rank (MPI_Comm_shrink of {old.size} ranks)",
-                   lambda: "some surviving rank (every survivor must call reform)"):
-        new = _state["base"].Shrink()
-        survivors = new.allgather(old.rank)
-    lost = sorted(set(range(old.size)) - set(survivors))
-    members = _state["launched"] if _state["generation"] else list(range(old.size))
-    launched = [members[r] for r in lost]
-    if new.Get_size() < min_ranks:
-        raise ElasticError(f"{len(lost)} rank(s) lost (old ranks {', '.join(map(str, lost))}): {new.Get_size()} "
-                           f"left, fewer than min_ranks={min_ranks}; ending the job.\nHINT: lower the minimum "
-                           "(HPCTRAIN_ELASTIC_MIN_RANKS, `hpctrain launch --elastic --min-np`) or resume from the "
-                           "last checkpoint with more ranks")
-    _state["launched"] = [members[r] for r in survivors]
-    _state["base"] = new
-    with _creating("the world group on the survivors", "every survivor must call reform"):
-        group = Group(new, "world")
-    _state["world"] = group
+    while True:
+        _abandon_all()
+        asyncq.drain()  # queued async collectives fail at once on the revoked communicators: none runs later
+        try:
+            group, lost = _shrink_world(old, min_ranks)
+            break
+        except RanksLostError:
+            continue
     _state["generation"] += 1
-    dog.rank = group.rank
-    _state["reforms"].append(dict(old_size=old.size, new_size=group.size, lost=lost, lost_launched=launched,
-                                  rank=group.rank, seconds=time.monotonic() - start, time=time.time()))
+    _state["reforms"].append(dict(old_size=old.size, new_size=group.size, lost=lost,
+                                  lost_launched=[_state["launched"][r] for r in lost], rank=group.rank,
+                                  seconds=time.monotonic() - start, time=time.time()))
+    _state["launched"] = [m for r, m in enumerate(_state["launched"]) if r not in lost]
+    # Every survivor runs the same hooks (some are collective): objects no rank holds any more
+    # are collected first, on every rank alike, rather than whenever each rank's GC runs.
+    gc.collect()
     for ref in list(_state["reform_hooks"]):
         hook = ref()
         if hook is None:
@@ -295,10 +290,30 @@ def reform(min_ranks: int = 1) -> "Group":
     return group
 
 
-def _how_to_enable() -> str:
-    from . import faults
-
-    return faults.HOW_TO_ENABLE
+def _shrink_world(old: "Group", min_ranks: int):
+    """The survivors' communicator and world group; (group, the old ranks lost). The module's
+    state changes only when the group is built (a failure meanwhile leaves it as it was)."""
+    dog = watchdog()
+    with dog.watch(f"re-forming the world after a lost rank (MPI_Comm_shrink of {old.size} ranks)",
+                   lambda: "some surviving rank (every survivor must call reform)"):
+        new = _state["base"].Shrink()
+        survivors = new.allgather(old.rank)
+    lost = sorted(set(range(old.size)) - set(survivors))
+    if new.Get_size() < min_ranks:
+        raise ElasticError(f"{len(lost)} rank(s) lost (old ranks {', '.join(map(str, lost))}): {new.Get_size()} "
+                           f"left, fewer than min_ranks={min_ranks}; ending the job.\nHINT: lower the minimum "
+                           "(HPCTRAIN_ELASTIC_MIN_RANKS, `hpctrain launch --elastic --min-np`) or resume from the "
+                           "last checkpoint with more ranks")
+    previous_base, _state["base"] = _state["base"], new  # Group() reads its members' ranks from the base
+    try:
+        with _creating("the world group on the survivors", "every survivor must call reform"):
+            group = Group(new, "world")
+    except RanksLostError:
+        _state["base"] = previous_base
+        raise
+    _state["world"] = group
+    dog.rank = group.rank
+    return group, lost
 
 
 def is_initialized() -> bool:

@@ -354,17 +354,10 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _reset(cause: Any, state: State) -> None:
-    """Re-form the world (a lost rank), or keep it (a host update of the same world). A rank
-    lost while re-forming makes the survivors re-form again."""
+    """Re-form the world (a lost rank), or keep it (a host update of the same world)."""
     if cause is None:
         return
-    while True:
-        try:
-            comm.reform(min_ranks=settings.rc.elastic_min_ranks)
-            break
-        except HorovodInternalError as exc:
-            if not faults.is_failure(exc):
-                raise
+    comm.reform(min_ranks=settings.rc.elastic_min_ranks)
     commit = _committed_scalars(state)
     comm.note_reform(resumed_from=commit)
     event = comm.reforms()[-1]

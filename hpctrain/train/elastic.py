@@ -17,8 +17,8 @@ log = logging.getLogger("hpctrain.train")
 
 
 def check_job(cfg: TrainConfig) -> None:
-    """A config that asks for elastic mode in a job that cannot survive a lost rank (or the
-    reverse setting of the minimum) stops here, on every rank alike, with what to do."""
+    """A config that asks for elastic mode in a job that cannot survive a lost rank, or for a
+    minimum above the job's rank count, stops here, on every rank alike, with what to do."""
     if not cfg.elastic.min_ranks:
         return
     if not faults.enabled():
@@ -26,7 +26,7 @@ def check_job(cfg: TrainConfig) -> None:
                           f"would end it). {faults.HOW_TO_ENABLE}; or remove elastic.min_ranks")
     if cfg.elastic.min_ranks > comm.size():
         raise ConfigError(f"elastic.min_ranks={cfg.elastic.min_ranks} is more than the {comm.size()} ranks this "
-                          "job has")
+                          "job has. HINT: start more ranks or lower elastic.min_ranks")
 
 
 def recoverable(cfg: TrainConfig, exc: BaseException) -> bool:
@@ -37,8 +37,7 @@ def recoverable(cfg: TrainConfig, exc: BaseException) -> bool:
 def recover(cfg: TrainConfig, run: Any, step: int) -> Dict[str, Any]:
     """After a lost rank, on every survivor: close the run's outputs, stop its optimizer from
     following the new world (the run is rebuilt with a new one), re-form the world (raises
-    ElasticError below ``elastic.min_ranks``; a rank lost meanwhile makes it re-form again).
-    Returns the record of the loss."""
+    ElasticError below ``elastic.min_ranks``). Returns the record of the loss."""
     opt = getattr(run.step_impl, "opt", None)
     if opt is not None and hasattr(opt, "follow_reforms"):
         opt.follow_reforms = False
@@ -46,13 +45,7 @@ def recover(cfg: TrainConfig, run: Any, step: int) -> Dict[str, Any]:
         run.metrics.close()
     if run.tb is not None:
         run.tb.close()
-    while True:
-        try:
-            comm.reform(min_ranks=max(1, cfg.elastic.min_ranks))
-            break
-        except comm.HorovodInternalError as exc:
-            if not faults.is_failure(exc):
-                raise
+    comm.reform(min_ranks=max(1, cfg.elastic.min_ranks))
     event = comm.reforms()[-1]
     loss = {"step": step, "lost": event["lost_launched"], "ranks_before": event["old_size"],
             "ranks": event["new_size"], "reform_seconds": round(event["seconds"], 4)}
