@@ -229,7 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         #: whether this optimizer follows a re-formed world (elastic jobs); a caller that builds
         #: a new optimizer after a re-forming (the training runner) turns it off on the old one
         self.follow_reforms = True
-        if self._group is None:  # the world's optimizer follows an elastic job's re-formed world
+        if self._group is None and settings.rc.elastic:  # the world's optimizer follows a re-formed world
             comm.on_reform(self._on_reform)
         if self._rank == 0:
             log.info("DistributedOptimizer: %d parameters in %d buckets (threshold %d bytes), sync=%s, backend=%s, "
