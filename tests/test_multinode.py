@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -197,7 +197,41 @@ def slurm_jobs(multinode_slurm, tmp_path_factory):
                                       [hpctrain, "train", str(config), "--set", f"run_dir={run_dir / 'run'}", "--quiet"])
     with ThreadPoolExecutor(max_workers=len(specs)) as pool:
         futures = {key: pool.submit(_submit_on_cluster, *spec) for key, spec in specs.items()}
-        return {key: (future.result(), specs[key][0]) for key, future in futures.items()}
+        jobs = {key: (future.result(), specs[key][0]) for key, future in futures.items()}
+    _SPECS.update(specs)
+    return jobs
+
+
+_SPECS: Dict[str, tuple] = {}  # slurm_jobs key → (run_dir, job name, template options, command)
+
+# Open MPI 5 under Slurm's PMIx plugin, with many multi-node steps starting at once on this
+# 2-core machine, has (rarely) crashed one task inside MPI_Init: a peer's first message reached
+# it before its own start-up fence had returned (segfault in ob1's match callback on a
+# communicator not yet set up). Open MPI's issue tracker (#12495) traces the same trace to
+# Slurm's PMIx fence. Nothing of hpctrain has run by then, so such a job is submitted once more;
+# any other failure, or the same one twice, fails the test.
+_MPI_INIT_CRASH = ("mca_pml_ob1_recv_frag_callback_match", "ompi_mpi_init")
+
+
+def _wait_completed(slurm_jobs, key: str, timeout: float) -> Tuple[Dict[str, str], Path, str]:
+    """Wait for the job submitted as ``key``; resubmit it once when a task crashed inside
+    MPI_Init as described above. Returns (scontrol record, run dir, the job's logs)."""
+    from cluster import wait_job_on_cluster
+
+    job, run_dir = slurm_jobs[key]
+    info = wait_job_on_cluster(job, timeout=timeout)
+    logs = _job_logs(run_dir)
+    if info.get("JobState") == "FAILED" and all(s in logs for s in _MPI_INIT_CRASH):
+        print(f"job {job} ({key}): a task crashed inside MPI_Init (Open MPI/Slurm PMIx start-up race); "
+              f"submitting it again", flush=True)
+        for old in run_dir.glob("*.out"):
+            old.rename(old.with_suffix(".first-try"))
+        for old in run_dir.glob("*.err"):
+            old.rename(old.with_suffix(".first-try-err"))
+        job = _submit_on_cluster(*_SPECS[key])
+        info = wait_job_on_cluster(job, timeout=timeout)
+        logs = _job_logs(run_dir)
+    return info, run_dir, logs
 
 
 def _tiny_training_config(data_dir: Path) -> Path:
@@ -276,12 +310,8 @@ def test_slurm_preempt_requeue_resume_on_two_nodes(slurm_jobs):
 # which is the rank within the node): fixed in hpctrain/slurm/env.py.
 @pytest.mark.parametrize("case", sorted(SLURM_CASES))
 def test_slurm_cpu_template_across_nodes(slurm_jobs, case):
-    from cluster import wait_job_on_cluster
-
-    job, run_dir = slurm_jobs[case]
-    info = wait_job_on_cluster(job, timeout=120)
-    logs = _job_logs(run_dir)
-    assert info.get("JobState") == "COMPLETED", f"job {job} ({case}): {info}\n{logs[-6000:]}"
+    info, run_dir, logs = _wait_completed(slurm_jobs, case, timeout=120)
+    assert info.get("JobState") == "COMPLETED", f"job {info.get('JobId')} ({case}): {info}\n{logs[-6000:]}"
     from hpctrain.slurm.nodelist import expand_nodelist
 
     num_nodes, per_node = SLURM_CASES[case][1]
@@ -307,13 +337,9 @@ def test_slurm_cpu_template_across_nodes(slurm_jobs, case):
 def test_slurm_training_job_on_two_nodes(slurm_jobs):
     """`hpctrain train` through the cpu-mpi template on 2 nodes × 2 ranks, launched by
     srun --mpi=pmix and by mpirun: both complete the same plan with the same final loss."""
-    from cluster import wait_job_on_cluster
-
     summaries = {}
     for launcher in ("srun", "mpirun"):
-        job, run_dir = slurm_jobs[f"train-{launcher}"]
-        info = wait_job_on_cluster(job, timeout=240)
-        text = _job_logs(run_dir)
+        info, run_dir, text = _wait_completed(slurm_jobs, f"train-{launcher}", timeout=240)
         assert info.get("JobState") == "COMPLETED", f"{launcher}: {info}\n{text[-6000:]}"
         assert info.get("NumNodes") == "2", info
         summary = json.loads((run_dir / "run" / "summary.json").read_text())
