@@ -24,7 +24,11 @@ N, R = comm.size(), comm.rank()
 # 65536 float32: the largest flag exchange; above it the piped path (65537: two segments)
 LENGTHS = sorted({0, 1, max(N - 1, 0), N + 1, 65536, 65537, 1000003})
 DTYPES = ["float32", "float64", "float16", "int8", "int32", "int64", "uint8"]
-ALGOS = ["native", "ring", "shm", "hierarchical", "auto"]
+# HPCTRAIN_AUTOTUNE=0 changes only what auto runs: that launch checks auto and leaves the
+# explicit algorithms (and the ring's segment edges) to the plain launches.
+FIXED = os.environ.get("HPCTRAIN_AUTOTUNE") == "0"
+ALGOS = ["auto"] if FIXED else ["native", "ring", "shm", "hierarchical", "auto"]
+RING_DTYPES = ["float32"] if FIXED else ["float32", "int32", "float16", "uint8", "float64"]
 
 
 def local_data(length, dtype, rank):
@@ -78,7 +82,7 @@ def test_allreduce_ops(algo, op):
 
 @pytest.mark.parametrize("ring", ["c", "python"])
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])
-@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "uint8", "float64"])
+@pytest.mark.parametrize("dtype", RING_DTYPES)
 def test_ring_segments_around_chunk_boundaries(monkeypatch, ring, op, dtype):
     """Tiny ring segments: chunks of one segment, of one element more or less than a segment
     (uneven chunks make some ranks' steps one segment long and others' two: every rank
@@ -369,14 +373,16 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
     g = comm.world()
     tuned = g.autotune
     saved, g.tuner = g.tuner, CyclingTuner()
-    # One random array and its reference; call k reduces base + k (sum: reference + N*k), so the
-    # 36 MB case does not draw and reduce a fresh float64 reference on every call.
-    base = local_data(length, "float32", R)
-    base_ref = reference(base, "sum")
+    # Small whole numbers in float32: every algorithm's sum is exact in any order, so each call is
+    # checked for equality (a 36 MB assert_allclose per call cost more than the collectives). One
+    # array and its reference; call k reduces base + k (sum: reference + N*k).
+    base = np.random.default_rng(R).integers(0, 4, size=length).astype(np.float32)
+    base_ref = np.empty_like(base)
+    MPI.COMM_WORLD.Allreduce(base, base_ref, op=MPI.SUM)
     try:
         for call in range(CALLS):
             x = base + np.float32(call)
-            ref = base_ref + N * call
+            ref = base_ref + np.float32(N * call)
             if call % 4 == 0:
                 out = comm.allreduce_(x.copy())  # the lean path
             elif call % 4 == 1:
@@ -386,8 +392,7 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
             else:  # several buffers as one collective
                 out = x.copy()
                 comm.grouped_allreduce_([out[:1000], torch.from_numpy(out[1000:-7]), out[-7:]])
-            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-5, atol=1e-4, err_msg=f"call {call}")
-            assert_same_on_every_rank(out)
+            assert np.array_equal(out, ref), f"call {call}: {np.count_nonzero(out != ref)} elements differ"
         stub = g.tuner
     finally:
         g.tuner = saved
