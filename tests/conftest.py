@@ -48,6 +48,9 @@ FIXTURE_KINDS = {
 SERVICES_GROUP = "services"
 
 
+# tryfirst: pytest-xdist's own hook reads the xdist_group markers (it appends the group to the
+# test ids), so the markers added here must be there before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
     unmarked = set()
     for item in items:

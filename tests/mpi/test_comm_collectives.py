@@ -368,14 +368,19 @@ class CyclingTuner:
 CALLS = 12
 
 
-@pytest.mark.parametrize("length", [300_000, 9_000_000])  # shm, native (and the ring from 3 ranks); ≥ 32 MiB: all three
-def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
+# 300_000 float32: shm, native (and the ring from 3 ranks); 600_000 with LARGE_RING_BYTES lowered
+# from 32 to 2 MiB (read at each call; the lean path's cached decisions dropped): all three, as
+# from 32 MiB, without 36 MB arrays (their first touch alone cost seconds on a 2-core VM)
+@pytest.mark.parametrize("length", [300_000, 600_000])
+def test_auto_runs_local_rank_0s_choice_on_every_rank(length, monkeypatch):
+    monkeypatch.setattr(plan, "LARGE_RING_BYTES", 2 << 20)
     g = comm.world()
+    g.lean_routes.clear()
     tuned = g.autotune
     saved, g.tuner = g.tuner, CyclingTuner()
     # Small whole numbers in float32: every algorithm's sum is exact in any order, so each call is
-    # checked for equality (a 36 MB assert_allclose per call cost more than the collectives). One
-    # array and its reference; call k reduces base + k (sum: reference + N*k).
+    # checked for equality. One array and its reference; call k reduces base + k (sum:
+    # reference + N*k).
     base = np.random.default_rng(R).integers(0, 4, size=length).astype(np.float32)
     base_ref = np.empty_like(base)
     MPI.COMM_WORLD.Allreduce(base, base_ref, op=MPI.SUM)
@@ -396,10 +401,11 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length):
         stub = g.tuner
     finally:
         g.tuner = saved
+        g.lean_routes.clear()
     if tuned and g.node_flags.rank == 0:
         # the ring joins from RING_CANDIDATE_BYTES at RING_CANDIDATE_RANKS ranks (plan.tuning_candidates)
         ring = N >= plan.RING_CANDIDATE_RANKS and length * 4 >= plan.RING_CANDIDATE_BYTES
-        expected = {"ring", "shm", "native"} if ring or length * 4 >= (32 << 20) else {"shm", "native"}
+        expected = {"ring", "shm", "native"} if ring or length * 4 >= plan.LARGE_RING_BYTES else {"shm", "native"}
         assert set(stub.ran) == expected and len(stub.timings) == CALLS
         assert all(t > 0 for _, t in stub.timings)
         # every call reported, and runs of the piped path (only) went on without a decision
