@@ -14,7 +14,9 @@ from mpirun import ROOT, mpi_env, python_argv, run_mpi
 from test_train_cli import write_config
 
 HPCTRAIN = python_argv("-m", "hpctrain.cli.main")
-pytestmark = pytest.mark.mpi
+# One xdist group: the module's tests share one training run (the fixture), which a split
+# across workers would run on each.
+pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("export")]
 
 
 @pytest.fixture(scope="module")
