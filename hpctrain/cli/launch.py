@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from hpctrain import settings
 
@@ -164,9 +164,10 @@ def elastic_flags(version_text: str) -> List[str]:
 
 
 def run_elastic(exe: str, args: argparse.Namespace, flags: List[str], command: List[str], env: Dict[str, str]) -> int:
-    """Start ``command`` fault-tolerant; the exit status comes from the survivors' reports:
-    0 when every launched rank either finished or was lost (Open MPI's launcher may report
-    the lost ones as a failure of the job), otherwise mpiexec's."""
+    """Start ``command`` fault-tolerant; the exit status comes from the ranks' reports: 0 when
+    every launched rank either finished or was lost (Open MPI's launcher may report the lost
+    ones as a failure of the job), 1 when a rank reported an error exit that mpiexec did not
+    pass on, otherwise mpiexec's."""
     import tempfile
 
     min_np = 1 if args.min_np is None else args.min_np
@@ -179,6 +180,12 @@ def run_elastic(exe: str, args: argparse.Namespace, flags: List[str], command: L
         outcome = elastic_outcome(args.np, read_reports(reports))
     if outcome.lost:
         print(outcome.summary(), file=sys.stderr, flush=True)
+    if outcome.failed and not rc:
+        # Under fault tolerance mpiexec can exit 0 although ranks aborted on an error (seen
+        # when every survivor stopped below --min-np): their reports decide.
+        print(f"hpctrain launch: elastic job failed: launched rank(s) {', '.join(map(str, outcome.failed))} "
+              f"ended with an error (see their output above)", file=sys.stderr, flush=True)
+        return 1
     return 0 if outcome.finished and rc != 0 and rc < 128 else rc
 
 
@@ -197,9 +204,11 @@ def read_reports(folder: str) -> List[dict]:
 class ElasticOutcome:
     """What an elastic job's survivors reported (pure: ``elastic_outcome``)."""
 
-    def __init__(self, launched: int, finished_ranks: List[int], losses: List[dict]) -> None:
+    def __init__(self, launched: int, finished_ranks: List[int], losses: List[dict],
+                 failed: Optional[List[int]] = None) -> None:
         self.launched = launched
         self.finished_ranks = finished_ranks
+        self.failed = failed or []  # launched ranks that reported an error exit
         self.losses = losses  # one per re-forming: lost launched ranks, sizes, where it resumed
         self.lost = sorted({r for loss in losses for r in loss.get("lost_launched", [])})
 
@@ -223,8 +232,9 @@ def elastic_outcome(launched: int, reports: List[dict]) -> ElasticOutcome:
     """Merge the finished ranks' reports: every survivor saw the same re-formings (taken from
     the report that saw the most)."""
     finished = sorted(r["launched_rank"] for r in reports if r.get("finished") and not r.get("exit_code"))
+    failed = sorted(r["launched_rank"] for r in reports if not r.get("finished") or r.get("exit_code"))
     longest = max(reports, key=lambda r: len(r.get("reforms", [])), default={})
-    return ElasticOutcome(launched, finished, list(longest.get("reforms", [])))
+    return ElasticOutcome(launched, finished, list(longest.get("reforms", [])), failed)
 
 
 def run_forwarding_signals(argv: List[str], env: Mapping[str, str]) -> int:

@@ -183,9 +183,12 @@ def exit_code(code=None) -> int:
     return 1
 
 
-def write_report(folder: Optional[str], launched_rank: int, reforms: list) -> None:
-    """What this rank saw, for ``hpctrain launch --elastic`` (which decides from the finished
-    ranks' reports whether the job finished): ``folder/rank-N.json``, written atomically."""
+def write_report(folder: Optional[str], launched_rank: int, reforms: list, finished: bool = True,
+                 code: Optional[int] = None) -> None:
+    """What this rank saw, for ``hpctrain launch --elastic`` (which decides from the ranks'
+    reports whether the job finished): ``folder/rank-N.json``, written atomically.
+    ``finished=False``: the rank is ending on an error (it aborts the job), ``code`` its exit
+    status (default: what sys.exit was given)."""
     if not folder:
         return
     import json
@@ -194,8 +197,8 @@ def write_report(folder: Optional[str], launched_rank: int, reforms: list) -> No
     path = os.path.join(folder, f"rank-{launched_rank}.json")
     try:
         with open(path + ".tmp", "w") as f:
-            json.dump({"launched_rank": launched_rank, "finished": True, "exit_code": exit_code(),
-                       "reforms": reforms}, f)
+            json.dump({"launched_rank": launched_rank, "finished": finished,
+                       "exit_code": exit_code() if code is None else code, "reforms": reforms}, f)
         os.replace(path + ".tmp", path)
     except OSError as exc:
         sys.stderr.write(f"hpctrain: rank {launched_rank} could not write its elastic report to {folder}: {exc}\n")

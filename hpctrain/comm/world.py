@@ -465,6 +465,14 @@ def report_and_abort(exc_type, exc, tb) -> None:
         f"other ranks do not hang.\n{text}"
     )
     sys.stderr.flush()
+    MPI = _state["MPI"]
+    if MPI is not None and settings.rc.elastic_report:
+        # An elastic job's launcher must not take this rank for finished (under fault
+        # tolerance mpiexec itself has exited 0 after an MPI_Abort): it reads this report.
+        from . import faults
+
+        faults.write_report(settings.rc.elastic_report, MPI.COMM_WORLD.Get_rank(), _state["reforms"],
+                            finished=False, code=1)
     abort_job(1)
 
 

@@ -76,7 +76,43 @@ def test_outcome_counts_every_rank_as_finished_or_lost():
     assert not launch.elastic_outcome(4, reports[:1]).finished
     failed = [reports[0], {**reports[1], "exit_code": 2}]
     assert not launch.elastic_outcome(4, failed).finished
+    assert launch.elastic_outcome(4, failed).failed == [2] and outcome.failed == []
+    # ranks that aborted on an error (below min_ranks) report finished=False
+    aborted = [{**r, "finished": False, "exit_code": 1} for r in reports]
+    assert launch.elastic_outcome(4, aborted).failed == [0, 2] and not launch.elastic_outcome(4, aborted).finished
     assert not launch.elastic_outcome(2, []).finished
+
+
+@pytest.mark.parametrize("rc,finished,want", [
+    (0, [True, True, True], 0),      # everyone finished
+    (0, [False, False, None], 1),    # two ranks aborted on an error, one lost; mpiexec said 0
+    (1, [True, True, None], 0),      # one rank lost: mpiexec reports that as a failure
+    (1, [True, False, None], 1),     # a survivor failed
+    (137, [True, True, None], 137),  # the launch itself was killed
+])
+def test_elastic_launch_exit_status_follows_the_reports(monkeypatch, capsys, rc, finished, want):
+    """What `hpctrain launch --elastic` exits with, from mpiexec's status and the reports."""
+    import argparse
+    import json
+    import os
+
+    def fake_run(argv, env):
+        folder = env["HPCTRAIN_ELASTIC_REPORT"]
+        lost = [r for r, f in enumerate(finished) if f is None]
+        reforms = [dict(old_size=3, new_size=3 - len(lost), lost_launched=lost)] if lost else []
+        for r, f in enumerate(finished):
+            if f is not None:
+                report = {"launched_rank": r, "finished": f, "exit_code": 0 if f else 1, "reforms": reforms}
+                with open(os.path.join(folder, f"rank-{r}.json"), "w") as out:
+                    json.dump(report, out)
+        return rc
+
+    monkeypatch.setattr(launch, "run_forwarding_signals", fake_run)
+    monkeypatch.setattr(launch, "version_text", lambda exe: "mpiexec (Open MPI) 5.0.11\n")
+    args = argparse.Namespace(np=3, min_np=2)
+    assert launch.run_elastic("mpiexec", args, [], ["python", "x.py"], {}) == want
+    if want == 1 and rc == 0:
+        assert "ended with an error" in capsys.readouterr().err
 
 
 def test_object_state_commits_restores_and_syncs():
