@@ -111,7 +111,9 @@ def test_min_max_propagate_nan_on_every_algorithm(monkeypatch, algo, op, dtype):
     if algo == "ring-c" and not mpiring.available():
         skip_or_fail("mpiring", "the C ring (hpctrain.comm._mpiring) is not built or cannot bind to MPI")
     monkeypatch.setattr(mpiring, "ENABLED", algo != "ring-python")
-    for length in (7, 70_001, 300_000):  # a flag exchange; piped / windowed; tuned
+    # a flag exchange; piped / windowed; and for auto the size its run-time choice tunes (an
+    # explicit algorithm takes the same path at 300_000 as at 70_001)
+    for length in (7, 70_001, 300_000) if algo == "auto" else (7, 70_001):
         x = nan_data(R, length, dtype)
         out = comm.allreduce(x, op=op, algorithm=algo.split("-")[0])
         np.testing.assert_array_equal(out, expected_nan(length, dtype, op), err_msg=f"{algo} {length}")
