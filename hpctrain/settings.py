@@ -246,8 +246,9 @@ DECLARED: Tuple[Setting, ...] = (
           "(`hpctrain launch --elastic` sets both)"),
     Setting("elastic_min_ranks", "count", 1, "elastic jobs end (cleanly, on every survivor) when fewer ranks "
             "than this survive", minimum=1),
-    Setting("elastic_report", "text", None, "directory where each finished rank of an elastic job writes what it "
-            "saw (lost ranks, where it resumed); `hpctrain launch --elastic` sets it and reads them"),
+    Setting("elastic_report", "text", None, "directory where each rank of an elastic job writes, as it exits or "
+            "aborts, what it saw (lost ranks, where it resumed, its exit status); `hpctrain launch --elastic` "
+            "sets it and reads them"),
     _flag("abort_on_exception", True, "an uncaught exception on any rank aborts the MPI job"),
     Setting("mpiexec", "text", None, "the `mpiexec` `hpctrain launch` runs; unset: the one beside this Python, "
             "else the first on PATH"),
