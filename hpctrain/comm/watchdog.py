@@ -76,6 +76,10 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.fired: List[str] = []
+        # waits the elastic hook turned into a lost rank: id -> their restarted ``since``. Such
+        # a wait still stalled a timeout later was not ended by the revoke: it aborts the job
+        # (asking again would revoke every timeout, for ever).
+        self._diverted: Dict[int, float] = {}
 
     def start(self) -> None:
         if self.timeout <= 0 or self._thread is not None:
@@ -96,8 +100,8 @@ class Watchdog:
             now = time.monotonic()
             for wait in list(self._waits.values()):
                 if now - wait.since > self.timeout + wait.grace:
-                    if self._lost_rank(wait, now - wait.since):
-                        wait.since = now  # the wait now ends with RanksLostError; watch it anew
+                    if self._lost_rank(wait, now - wait.since) and self._diverted.get(id(wait)) != wait.since:
+                        wait.since = self._diverted[id(wait)] = now  # it now ends with RanksLostError; watch it anew
                         continue
                     self._fire(wait, now - wait.since)
                     return

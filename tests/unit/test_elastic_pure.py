@@ -272,3 +272,25 @@ def test_the_watchdog_asks_the_elastic_hook_before_aborting(monkeypatch):
         time.sleep(0.8)
     dog.stop()
     assert asked[:2] == [("recv_object from rank 1", "rank 1")] * 2 and aborted == [3]
+
+
+def test_a_wait_the_revoke_did_not_end_aborts_at_its_next_stall(monkeypatch):
+    """The hook says "a lost rank" every time, but the wait goes on: the second stall of the
+    same wait aborts instead of revoking again for ever."""
+    import time
+
+    from hpctrain.comm import watchdog
+
+    aborted, asked = [], []
+
+    def hook(what, waited, missing):
+        asked.append(what)
+        return True
+
+    monkeypatch.setitem(watchdog.ON_STALL, "fn", hook)
+    dog = watchdog.Watchdog(0, aborted.append, 0.1)
+    dog.start()
+    with dog.watch("allreduce on world", lambda: "rank 2"):
+        time.sleep(0.8)
+    dog.stop()
+    assert len(asked) == 2 and aborted == [3]
