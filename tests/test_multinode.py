@@ -207,7 +207,7 @@ _SPECS: Dict[str, tuple] = {}  # slurm_jobs key → (run_dir, job name, template
 # Open MPI 5 under Slurm's PMIx plugin, with many multi-node steps starting at once on this
 # 2-core machine, has (rarely) crashed one task inside MPI_Init: a peer's first message reached
 # it before its own start-up fence had returned (segfault in ob1's match callback on a
-# communicator not yet set up). Open MPI's issue tracker (#12495) traces the same trace to
+# communicator not yet set up). Open MPI's issue tracker (#12495) shows the same trace and ties it to
 # Slurm's PMIx fence. Nothing of hpctrain has run by then, so such a job is submitted once more;
 # any other failure, or the same one twice, fails the test.
 _MPI_INIT_CRASH = ("mca_pml_ob1_recv_frag_callback_match", "ompi_mpi_init")
