@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import clirun
 from mpirun import ROOT, mpi_env, python_argv, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -73,7 +74,7 @@ def test_exception_on_rank_1_at_step_5_aborts_within_30s(data, tmp_path):
 
 def test_dry_run_prints_plan_and_trains_nothing(data, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "3", "--set", "optimizer.lr=0.01",
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", "3", "--set", "optimizer.lr=0.01",
              "--set", "lr_scaling=linear"])
     assert r.returncode == 0, r.stderr
     assert "ranks: 3" in r.stdout
@@ -93,14 +94,14 @@ def test_dry_run_under_mpiexec_uses_world_size(data, tmp_path):
 
 def test_unknown_key_lists_valid_ones(data, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", "optimiser: {lr: 1}")
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run"])
     assert r.returncode == 2
     assert "unknown key 'optimiser'" in r.stderr and "optimizer" in r.stderr and "batch_size" in r.stderr
 
 
 def test_bad_override_value(data, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--set", "optimizer.name=lion"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--set", "optimizer.name=lion"])
     assert r.returncode == 2 and "optimizer.name: 'lion' is not one of" in r.stderr
 
 
@@ -119,7 +120,7 @@ def test_weighted_policy_dry_run_and_run_agree(data, tmp_path):
     rejects too, with the same line."""
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
     ok = ["--set", "data.policy=weighted", "--set", "data.weights=[3,1]", "--set", "steps=4"]
-    dry = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", *ok])
+    dry = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", "2", *ok])
     assert dry.returncode == 0, dry.stderr
     assert "(24/batch)" in dry.stdout and "(8/batch)" in dry.stdout, dry.stdout
     r = run_mpi(2, [*HPCTRAIN, "train", str(cfg), *ok], timeout=180)
@@ -127,7 +128,7 @@ def test_weighted_policy_dry_run_and_run_agree(data, tmp_path):
     for bad, want in ((["--set", "data.weights=[3,1,1]"], "data.weights: 3 numbers for 2 ranks"),
                       ([], "data.policy: weighted needs data.weights")):
         argv = ["--set", "data.policy=weighted", *bad, "--set", f"run_dir={tmp_path / 'bad'}"]
-        dry = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", *argv])
+        dry = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", "2", *argv])
         assert dry.returncode == 2 and want in dry.stderr, dry.stderr
         r = run_mpi(2, [*HPCTRAIN, "train", str(cfg), *argv], timeout=120)
         assert r.returncode == 2 and r.stdout.count(want) == 1, r.stdout[-3000:]
@@ -196,17 +197,17 @@ PIPELINE = "parallel: {pipeline_stages: 2, micro_batches: 4, schedule: 1f1b}"
 
 def test_pipeline_dry_run_counts_replicas_and_rejects_bad_input(data, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", PIPELINE)
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "4"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", "4"])
     assert r.returncode == 0, r.stderr
     assert "pipeline: 4 ranks = 2 data-parallel replica(s) x 2 stages" in r.stdout and "ranks: 2" in r.stdout
     assert "global batch 32" in r.stdout
     for ranks, needle in (("3", "world size 3 is not divisible by the 2 pipeline stages"),
                           ("1", "2 pipeline stages need at least 2 ranks")):
-        r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", ranks])
+        r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", ranks])
         assert r.returncode == 2 and needle in r.stderr and "HINT" in r.stderr, r.stderr
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", "--set", "parallel.split_points=[9]"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", "2", "--set", "parallel.split_points=[9]"])
     assert r.returncode == 2 and "split points [9] out of range" in r.stderr, r.stderr
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--ranks", "2", "--set", "parallel.micro_batches=32"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--ranks", "2", "--set", "parallel.micro_batches=32"])
     assert r.returncode == 2 and "cannot be cut into parallel.micro_batches=32" in r.stderr, r.stderr
 
 

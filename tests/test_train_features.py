@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import clirun
 from mpirun import ROOT, mpi_env, python_argv, run_mpi
 
 HPCTRAIN = python_argv("-m", "hpctrain.cli.main")
@@ -134,8 +135,7 @@ def test_early_stopping_stops_every_rank_with_a_checkpoint(data, tmp_path):
 ])
 def test_dry_run_rejects_bad_new_keys(data, tmp_path, extra, says):
     cfg = config(data, tmp_path / "dry", extra)
-    r = subprocess.run([*HPCTRAIN, "train", str(cfg), "--dry-run"], capture_output=True, text=True,
-                       env=mpi_env(), cwd=str(ROOT), timeout=120)
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run"])
     assert r.returncode == 2, r.stdout + r.stderr
     assert says in r.stderr and "Traceback" not in r.stderr
 
@@ -167,6 +167,5 @@ threads: 1
     assert r.returncode == 0, r.stdout[-3000:]
     evals = [e for e in records(run_dir) if e["kind"] == "eval"]
     assert evals and evals[-1]["test_accuracy"] > 0.5
-    r = subprocess.run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--set", "data.normalize=standard"],
-                       capture_output=True, text=True, env=mpi_env(), cwd=str(ROOT), timeout=120)
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--set", "data.normalize=standard"])
     assert r.returncode == 2 and "data.normalize applies to one input" in r.stderr

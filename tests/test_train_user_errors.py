@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import clirun
 from mpirun import ROOT, mpi_env, python_argv, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -75,7 +76,8 @@ CASES = {
 def test_user_error_is_one_line_with_hint(data, tmp_path, case, dry_run):
     kw, args, needle = CASES[case]
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run", **kw)
-    r = run([*HPCTRAIN, "train", str(cfg), *args, *(["--dry-run"] if dry_run else [])])
+    argv = ["train", str(cfg), *args]
+    r = clirun.hpctrain([*argv, "--dry-run"]) if dry_run else run([*HPCTRAIN, *argv])
     one_error(r, needle)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -122,9 +124,9 @@ def test_srun_world_size_mismatch_is_one_line(data, tmp_path):
 
 def test_dry_run_rejects_configs_that_would_fail(data, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", data, tmp_path / "run")
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--set", "model.factory=hpctrain.train.models:mpl"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--set", "model.factory=hpctrain.train.models:mpl"])
     one_error(r, "'hpctrain.train.models' has no callable 'mpl'\nHINT: did you mean 'mlp'?")
-    r = run([*HPCTRAIN, "train", str(cfg), "--dry-run", "--set", f"model.factory={tmp_path / 'absent.py'}:net"])
+    r = clirun.hpctrain(["train", str(cfg), "--dry-run", "--set", f"model.factory={tmp_path / 'absent.py'}:net"])
     assert r.returncode == 2 and "absent.py' does not exist" in r.stderr, r.stderr
     # tensorboard: true without the package (a stand-in that fails to import, installed or not)
     shadow = tmp_path / "shadow" / "tensorboard"
