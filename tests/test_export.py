@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import clirun
 from mpirun import ROOT, mpi_env, python_argv, run_mpi
 from test_train_cli import write_config
 
@@ -39,8 +40,10 @@ def trained(tmp_path_factory):
 
 
 def cli(*args, cwd=None):
+    if cwd is None:  # export starts no MPI: in this process, without a new interpreter's start-up
+        return clirun.hpctrain(args)
     return subprocess.run([*HPCTRAIN, *args], capture_output=True, text=True, timeout=180, env=mpi_env(),
-                          cwd=str(cwd or ROOT))
+                          cwd=str(cwd))
 
 
 def test_export_state_dict_and_torchscript_agree_with_load_model(trained, tmp_path):
