@@ -208,13 +208,15 @@ DECLARED: Tuple[Setting, ...] = (
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "
           "streamed shm path, `MPI_Allreduce`, and the ring: from 1 MiB at 3 ranks or more, from 32 MiB at 2) and "
           "runs the fastest, re-trying the others now and then; local rank 0 decides, every rank follows (in one "
-          "flag exchange, or once for a run of up to 16 calls of the streamed path). 0 (on any rank of a node: "
-          "agreed when a group is made): fixed thresholds (reproducible choice)"),
-    _size("cross_node_ring_bytes", 256 * KiB, 0, "across nodes, `auto` runs the ring from this size "
-          "(`MPI_Allreduce` below it)"),
+          "flag exchange, or once for a run of up to 16 calls of the streamed path). Across nodes, from 128 KiB, "
+          "among `MPI_Allreduce`, the ring and the hierarchical path: group rank 0 decides and its pick rides on "
+          "the agreement check (with the check off, the fixed choice runs). 0 (on any rank of a node; across "
+          "nodes rank 0's value: agreed when a group is made): fixed thresholds (reproducible choice)"),
+    _size("cross_node_ring_bytes", 256 * KiB, 0, "across nodes, `auto`'s fixed choice (HPCTRAIN_AUTOTUNE=0, "
+          "and the first candidate it tries) is the ring from this size (`MPI_Allreduce` below it)"),
     _size("cross_node_hierarchical_bytes", 4 * MiB, 0, "across nodes with the same number of ranks on each, "
-          "`auto` runs the hierarchical path from this size (shared-memory reduction on each node, a ring "
-          "across nodes)"),
+          "`auto`'s fixed choice is the hierarchical path from this size (shared-memory reduction on each node, a "
+          "ring across nodes)"),
     _flag("ring_c", True, "the ring all-reduce in C (`hpctrain/comm/_mpiring.c`, over the MPI library mpi4py "
           "loaded; agreed across the ranks of a communicator the first time the ring runs on it); 0: the Python ring"),
     _size("ring_segment_bytes", None, KiB, "ring pipelining segment; 4 segments at a time arrive in cache-sized "

@@ -223,8 +223,8 @@ def measure(runners, sizes, dtype, args, records, on_size: Callable[[List[dict]]
                 before = comm.tuned_counts(nbytes) if algo.startswith("auto") else {}
                 times[algo].append(timed(runners[algo](buf), calls[algo], args.warmup))
                 if algo.startswith("auto"):
-                    for name, calls in comm.tuned_counts(nbytes).items():
-                        tuned[algo][name] = tuned[algo].get(name, 0) + calls - before.get(name, 0)
+                    for name, ran in comm.tuned_counts(nbytes).items():
+                        tuned[algo][name] = tuned[algo].get(name, 0) + ran - before.get(name, 0)
         for algo in names:
             if algo.startswith("auto"):
                 fixed = comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc", dtype=dtype)

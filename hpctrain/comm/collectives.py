@@ -72,8 +72,8 @@ def allreduce_route(nbytes: int, group: Optional[Group] = None, algorithm: str =
 
 def tuned_counts(nbytes: int, group: Optional[Group] = None) -> Dict[str, int]:
     """How many of this process's ``auto`` all-reduces of about ``nbytes`` (same size class) ran
-    each algorithm, as decided by the group's local rank 0 (empty elsewhere, or when nothing
-    was tuned at that size)."""
+    each algorithm, as decided by the group's local rank 0 (on a group that spans nodes: its
+    rank 0; empty elsewhere, or when nothing was tuned at that size)."""
     g = resolve(group)
     counts: Dict[str, int] = {}
     if g.tuner is not None:
@@ -379,7 +379,11 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: 
     exchange in front of each piped call would line the ranks up and cost ~9 µs of
     pipelining at 1 MiB. So runs longer than one call are taken only for the piped path (or
     with the agreement check off); local rank 0 times every call for its tuner. ``what(algo)``:
-    the call, described for a stall report; ``shape``: the caller's, named if the check fails."""
+    the call, described for a stall report; ``shape``: the caller's, named if the check fails.
+    Across nodes: ``_tuned_across_nodes_``."""
+    if not g.topology.single_node:
+        _tuned_across_nodes_(g, out, op, dtype_name, word, candidates, what, nbytes, shape)
+        return
     flags = g.node_flags
     dog = _world_state["watchdog"]
     g.seq += 1
@@ -408,6 +412,45 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: 
                 algorithms.native_(g.comm, fused, op, dtype_name)
         if fused is not out:
             _scatter_back(fused, out)
+    if deciding:
+        g.tuner.record(key, algo, time.perf_counter() - start)
+
+
+def _tuned_across_nodes_(g: Group, out, op: str, dtype_name: str, word: int, candidates: Tuple[str, ...],
+                         what, nbytes: int, shape=None) -> None:
+    """``_tuned_allreduce_`` on a group that spans nodes: group rank 0 picks (``tuning.Tuner``,
+    timing each call from before the check to the end) and its pick rides on the agreement
+    check's verdict, so the choice costs no message of its own. With the check off there is
+    nothing to carry it: the fixed choice (``candidates[0]``) runs."""
+    dog = _world_state["watchdog"]
+    key = (tuning.size_class(nbytes), candidates)
+    deciding = g.rank == 0 and _CHECKS.on
+    start = time.perf_counter()
+    pick = 0
+    if deciding:
+        if g.tuner is None:
+            g.tuner = tuning.Tuner()
+        pick = 1 + candidates.index(g.tuner.choose(key, candidates))
+    header = guard.make_header(0, "allreduce", op, dtype_name, word, "auto")
+    got = guard.agree(g, header, dog, shape, decision=pick)
+    if not _CHECKS.on:
+        got = 1
+    if not 1 <= got <= len(candidates):
+        raise CommError(f"{what('auto')}: rank 0 of group '{g.name}' sent choice {got} for {len(candidates)} "
+                        "candidates: the ranks disagree on the algorithms to choose from.\n"
+                        "HINT: every rank must run with the same HPCTRAIN_* settings")
+    algo = candidates[got - 1]
+    fused = np.concatenate(out) if isinstance(out, list) else out
+    if algo == "ring":
+        algorithms.ring_(g.ring_comm, fused, op, dtype_name, dog, lambda: what(algo),
+                         describe=lambda r: g.describe_ranks([r]))
+    elif algo == "hierarchical":
+        algorithms.shm_(g, fused, fused, op, dtype_name, dog, lambda: what(algo), cross=True, shape=shape)
+    else:
+        with dog.watch(lambda: what(algo), _all_ranks(g)):
+            algorithms.native_(g.comm, fused, op, dtype_name)
+    if fused is not out:
+        _scatter_back(fused, out)
     if deciding:
         g.tuner.record(key, algo, time.perf_counter() - start)
 

@@ -197,19 +197,22 @@ def mismatch_message(headers: np.ndarray, group, shapes: Optional[Sequence] = No
     )
 
 
-def agree(group, header: np.ndarray, dog, shape=None) -> None:
+def agree(group, header: np.ndarray, dog, shape=None, decision: int = 0) -> int:
     """Check that every rank of ``group`` entered the same collective; raise on mismatch.
     ``shape``: this rank's shape (whose code the header's count word holds), named in the
-    error when the ranks' shapes differ."""
+    error when the ranks' shapes differ. Where the check goes through group rank 0 (across
+    nodes, or without the shared-memory flags), rank 0's ``decision`` rides on its verdict and
+    is returned on every rank (auto's run-time pick across nodes); elsewhere, and with the
+    check off, 0 is returned."""
     group.seq += 1
     if not CHECKS.on or group.size == 1:
-        return
+        return 0
     header[0] = group.seq
     what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report
     if group.small_shm:  # one node: one flag exchange in shared memory
         group.node_flags.agree(header, dog, lambda: what() + " (agreement check)", group.describe_ranks, group,
                                shape=shape)
-        return
+        return 0
     comm = group.ctl_comm
     if group.rank == 0:
         headers = np.empty((group.size, HEADER_LEN), dtype=np.int64)
@@ -228,16 +231,17 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
                 for i in done or ():
                     pending.discard(i + 1)
         ok = bool((headers == headers[0]).all())
-        verdict = np.array([0 if ok else 1], dtype=np.int64)
+        verdict = np.array([0, decision] if ok else [1, 0], dtype=np.int64)
         sends = [comm.Isend(verdict, dest=r, tag=_TAG_VERDICT) for r in range(1, group.size)]
         MPI.Request.Waitall(sends)
         if not ok:
             for r in range(1, group.size):
                 comm.send(headers, dest=r, tag=_TAG_MESSAGE)
             raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
+        return decision
     else:
         comm.Send(header, dest=0, tag=_TAG_HEADER)
-        verdict = np.empty(1, dtype=np.int64)
+        verdict = np.empty(2, dtype=np.int64)  # [0 (agreed) or 1, rank 0's decision]
         coordinator = group.describe_ranks([0])
         with dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
                        lambda: f"{coordinator}, which coordinates the check (see its report)", grace=2.0):
@@ -246,6 +250,7 @@ def agree(group, header: np.ndarray, dog, shape=None) -> None:
                 headers = comm.recv(source=0, tag=_TAG_MESSAGE)
         if verdict[0] != 0:
             raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
+        return int(verdict[1])
 
 
 def plain_shape(shape):

@@ -278,16 +278,35 @@ def choose_algorithm(nbytes: int, topology: Topology, requested: str = "auto", s
     return "ring" if nbytes >= ring_from else "native"
 
 
-def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bool) -> Tuple[str, ...]:
+# Across nodes auto chooses at run time from here: below it MPI_Allreduce leads by far (the
+# ring's and the hierarchical path's extra steps are pure latency), above it the leader
+# depends on the network, the MPI library and the node layout (the 2-node table of
+# docs/performance.md: the ring ties MPI_Allreduce at 256 KiB, the hierarchical path goes from
+# 0.5x to 2.8x of it between 256 KiB and 4 MiB).
+CROSS_NODE_TUNING_BYTES = 128 * 1024
+
+
+def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bool,
+                      cross_node: Tuple[int, int] = CROSS_NODE) -> Tuple[str, ...]:
     """The algorithms ``auto`` chooses among at run time for a private buffer of ``nbytes``
     (hpctrain.comm.tuning), the expected winner first; empty where the fixed choice of
-    ``choose_algorithm`` stands (small messages, several nodes, no shared-memory flags).
+    ``choose_algorithm`` stands (small messages, no shared-memory flags on one node).
 
-    Only on one node, above the flag exchange: there the winner flips with where the host
-    puts the cores (the piped path 1.2–1.5× MPI_Allreduce in one placement, 0.3× in the
-    other; docs/performance.md). The ring joins from RING_CANDIDATE_BYTES at 3 ranks or more.
+    On one node, above the flag exchange: there the winner flips with where the host puts
+    the cores (the piped path 1.2–1.5× MPI_Allreduce in one placement, 0.3× in the other;
+    docs/performance.md). The ring joins from RING_CANDIDATE_BYTES at 3 ranks or more.
+    Across nodes, from CROSS_NODE_TUNING_BYTES: MPI_Allreduce, the ring and (same number of
+    ranks on every node) the hierarchical path, the fixed choice first (``cross_node``).
     """
-    if topology.size == 1 or not topology.single_node or not small_shm or nbytes <= small_shm:
+    if topology.size == 1:
+        return ()
+    if not topology.single_node:
+        if nbytes < CROSS_NODE_TUNING_BYTES:
+            return ()
+        fixed = choose_algorithm(nbytes, topology, "auto", False, 0, cross_node)
+        rest = ("native", "ring", "hierarchical") if topology.homogeneous else ("native", "ring")
+        return (fixed,) + tuple(a for a in rest if a != fixed)
+    if not small_shm or nbytes <= small_shm:
         return ()
     if nbytes < LARGE_RING_BYTES:
         if not pipes:
@@ -341,7 +360,7 @@ def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: b
     """
     algo = choose_algorithm(nbytes, topology, requested, shared, small_shm, cross_node)
     if requested == "auto" and autotune and not shared:
-        candidates = tuning_candidates(nbytes, topology, small_shm, pipes)
+        candidates = tuning_candidates(nbytes, topology, small_shm, pipes, cross_node)
         if candidates:
             return Route("tuned", "auto", candidates)
     if algo == "shm" and 0 < nbytes <= small_shm:

@@ -62,10 +62,14 @@ class Group:
         # auto's thresholds across nodes (plan.choose_algorithm), read once per group and agreed
         # in the same allgather (rank 0's win): a rank with other HPCTRAIN_CROSS_NODE_* values must
         # not route the same call differently (with the check off, mismatched collectives hang).
-        mine = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes)
+        # Whether auto tunes at run time across nodes (HPCTRAIN_AUTOTUNE) is agreed here too.
+        from . import tuning
+
+        mine = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes, tuning.enabled())
         facts = mpi_comm.allgather((leader, mine))
         self.topology: Topology = topology_from_keys([f[0] for f in facts])
-        self.cross_node = facts[0][1]
+        self.cross_node = tuple(facts[0][1][:2])
+        tune_across_nodes = bool(facts[0][1][2])
         self.local_rank: int = self.node_comm.Get_rank()
         self.local_size: int = self.node_comm.Get_size()
         self.cross_rank: int = self.topology.cross_rank(self.rank)
@@ -84,13 +88,16 @@ class Group:
         self.small_shm = self.node_flags.small_bytes if self.node_flags and self.topology.single_node else 0
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
-        # auto's run-time choice (collectives._tuned_allreduce_): on when every rank of the node
+        # auto's run-time choice (collectives._tuned_allreduce_). On one node: on when every rank
         # has it on (HPCTRAIN_AUTOTUNE), so that all take the same path; the tuner lives on
-        # local rank 0, which sends its pick through this one-element array
-        from . import tuning
-
-        self.autotune = (self.node_flags is not None
-                         and self.node_comm.allreduce(int(tuning.enabled()), op=MPI.MIN) == 1)
+        # local rank 0, which sends its pick through this one-element array. Across nodes:
+        # rank 0's setting (agreed above); the tuner lives on group rank 0, whose pick rides on
+        # the agreement check's verdict.
+        if self.topology.single_node:
+            self.autotune = (self.node_flags is not None
+                             and self.node_comm.allreduce(int(tuning.enabled()), op=MPI.MIN) == 1)
+        else:
+            self.autotune = tune_across_nodes
         self.tuner = None
         self.tuned_choice = np.zeros(1, dtype=np.int64)
         self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)

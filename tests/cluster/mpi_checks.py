@@ -235,6 +235,40 @@ def test_auto_picks_hierarchical_across_nodes(world, monkeypatch):
     assert [c["cross"] for c in calls] == [spans], calls
 
 
+def test_auto_tunes_across_nodes_on_rank_0s_pick(world):
+    """Across nodes auto chooses at run time from plan.CROSS_NODE_TUNING_BYTES: group rank 0
+    tries every candidate and its pick rides on the agreement check's verdict, so every rank
+    runs the same algorithm on every call (exact sums; a rank on another algorithm would
+    hang or differ). Over 40 calls rank 0 has run at least two of them; with the check off
+    the fixed choice runs."""
+    from hpctrain.comm import plan
+
+    nbytes = 1 << 20
+    route = comm.allreduce_route(nbytes)
+    if len(layout()) < 2 or not world.autotune:
+        assert route.kind != "tuned" or len(layout()) < 2
+        return
+    assert route.kind == "tuned" and route.candidates[0] == comm.choose_algorithm(nbytes), route
+    assert nbytes >= plan.CROSS_NODE_TUNING_BYTES
+    before = sum(comm.tuned_counts(nbytes).values())
+    for i in range(40):
+        x = np.full(nbytes // 4, float(world.rank + i), dtype=np.float32)
+        out = comm.allreduce(x)
+        assert np.all(out == sum(r + i for r in range(world.size))), (i, out[:3])
+    counts = comm.tuned_counts(nbytes)
+    if world.rank == 0:
+        assert sum(counts.values()) - before == 40 and len(counts) >= 2, counts
+    else:
+        assert counts == {}, counts
+    comm.set_checks(False)
+    try:
+        x = np.full(nbytes // 4, 1.0, dtype=np.float32)
+        assert np.all(comm.allreduce(x) == world.size)
+        assert sum(comm.tuned_counts(nbytes).values()) == sum(counts.values())  # nothing tuned
+    finally:
+        comm.set_checks(True)
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_shared_buffer_across_nodes(world, algorithm):
     """Zero-copy all-reduce on a buffer in the node's shared window, on a group that spans

@@ -94,9 +94,14 @@ def test_several_nodes():
              (hierarchical_from, "auto", Route("hierarchical", "hierarchical")),
              (ring_from, "shm", Route("hierarchical", "hierarchical")),
              (4, "hierarchical", Route("hierarchical", "hierarchical"))]
-    for nbytes, requested, expected in cases:
-        for autotune in (False, True):  # never tuned across nodes; small_shm is 0 on several nodes
-            assert r(nbytes, TWO_NODES, requested, small_shm=0, pipes=False, autotune=autotune) == expected
+    for nbytes, requested, expected in cases:  # the fixed choice (HPCTRAIN_AUTOTUNE=0); small_shm is 0
+        assert r(nbytes, TWO_NODES, requested, small_shm=0, pipes=False) == expected
+        tuned = r(nbytes, TWO_NODES, requested, small_shm=0, pipes=False, autotune=True)
+        if requested != "auto" or nbytes < plan.CROSS_NODE_TUNING_BYTES:
+            assert tuned == expected
+        else:  # auto's run-time choice, the fixed choice first
+            assert tuned.kind == "tuned" and tuned.candidates[0] == expected.algorithm
+            assert sorted(tuned.candidates) == ["hierarchical", "native", "ring"]
     assert r(64 << 20, UNEVEN, small_shm=0) == Route("ring", "ring")  # hierarchical needs even nodes
     # the group's own thresholds (HPCTRAIN_CROSS_NODE_*_BYTES)
     assert r(1 << 10, TWO_NODES, small_shm=0, cross_node=(0, 1 << 20)) == Route("ring", "ring")
@@ -106,6 +111,11 @@ def test_several_nodes():
     assert r(hierarchical_from, TWO_NODES, small_shm=0, shared=True) == Route("zero-copy", "hierarchical")
     assert r(ring_from, TWO_NODES, small_shm=0, shared=True) == Route("ring", "ring")
     assert r(1 << 20, UNEVEN, "shm", small_shm=0) == Route("ring", "ring")
+    # tuned across uneven nodes: no hierarchical candidate; below CROSS_NODE_TUNING_BYTES: fixed
+    assert r(1 << 20, UNEVEN, small_shm=0, autotune=True) == Route("tuned", "auto", ("ring", "native"))
+    below = plan.CROSS_NODE_TUNING_BYTES - 1
+    assert r(below, TWO_NODES, small_shm=0, autotune=True) == Route("native", "native")
+    assert r(64 << 20, TWO_NODES, small_shm=0, shared=True, autotune=True) == Route("zero-copy", "hierarchical")
 
 
 @pytest.mark.parametrize("requested", ["auto", "ring", "native", "shm", "hierarchical"])

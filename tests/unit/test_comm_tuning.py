@@ -145,7 +145,8 @@ def test_enabled_reads_the_environment(monkeypatch):
     (1 << 20, ONE_NODE, SMALL, False, ()),  # slots too small to pipe: the fixed choice
     (SMALL, ONE_NODE, SMALL, True, ()),  # the flag exchange, no choice to make
     (1 << 20, ONE_NODE, 0, True, ()),  # no flags / a dtype the kernels lack
-    (1 << 20, TWO_NODES, SMALL, True, ()),  # several nodes: hierarchical, fixed
+    (1 << 20, TWO_NODES, SMALL, True, ("ring", "native", "hierarchical")),  # several nodes: the fixed choice first
+    (plan.CROSS_NODE_TUNING_BYTES - 1, TWO_NODES, 0, False, ()),  # several nodes, small: MPI_Allreduce
     (1 << 20, plan.topology_from_keys(["a"]), SMALL, True, ()),
 ])
 def test_tuning_candidates(nbytes, topo, small, pipes, expected):
