@@ -403,17 +403,25 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: 
     if algo == "shm":  # takes a list of buffers as it is
         flags.allreduce_piped(out, code, op, g.size, header, dog, lambda: what(algo), g.describe_ranks, g, shape)
     else:
-        fused = np.concatenate(out) if isinstance(out, list) else out
-        if algo == "ring":
-            algorithms.ring_(g.ring_comm, fused, op, dtype_name, dog, lambda: what(algo),
-                             describe=lambda r: g.describe_ranks([r]))
-        else:
-            with dog.watch(lambda: what(algo), _all_ranks(g)):
-                algorithms.native_(g.comm, fused, op, dtype_name)
-        if fused is not out:
-            _scatter_back(fused, out)
+        _run_picked(g, algo, out, op, dtype_name, dog, what, shape)
     if deciding:
         g.tuner.record(key, algo, time.perf_counter() - start)
+
+
+def _run_picked(g: Group, algo: str, out, op: str, dtype_name: str, dog, what, shape=None) -> None:
+    """Run the tuner's pick (ring, hierarchical or native) on ``out`` (an array, or a list of
+    arrays reduced as their concatenation), after the agreement check."""
+    fused = np.concatenate(out) if isinstance(out, list) else out
+    if algo == "ring":
+        algorithms.ring_(g.ring_comm, fused, op, dtype_name, dog, lambda: what(algo),
+                         describe=lambda r: g.describe_ranks([r]))
+    elif algo == "hierarchical":
+        algorithms.shm_(g, fused, fused, op, dtype_name, dog, lambda: what(algo), cross=True, shape=shape)
+    else:
+        with dog.watch(lambda: what(algo), _all_ranks(g)):
+            algorithms.native_(g.comm, fused, op, dtype_name)
+    if fused is not out:
+        _scatter_back(fused, out)
 
 
 def _tuned_across_nodes_(g: Group, out, op: str, dtype_name: str, word: int, candidates: Tuple[str, ...],
@@ -440,17 +448,7 @@ def _tuned_across_nodes_(g: Group, out, op: str, dtype_name: str, word: int, can
                         "candidates: the ranks disagree on the algorithms to choose from.\n"
                         "HINT: every rank must run with the same HPCTRAIN_* settings")
     algo = candidates[got - 1]
-    fused = np.concatenate(out) if isinstance(out, list) else out
-    if algo == "ring":
-        algorithms.ring_(g.ring_comm, fused, op, dtype_name, dog, lambda: what(algo),
-                         describe=lambda r: g.describe_ranks([r]))
-    elif algo == "hierarchical":
-        algorithms.shm_(g, fused, fused, op, dtype_name, dog, lambda: what(algo), cross=True, shape=shape)
-    else:
-        with dog.watch(lambda: what(algo), _all_ranks(g)):
-            algorithms.native_(g.comm, fused, op, dtype_name)
-    if fused is not out:
-        _scatter_back(fused, out)
+    _run_picked(g, algo, out, op, dtype_name, dog, what, shape)
     if deciding:
         g.tuner.record(key, algo, time.perf_counter() - start)
 
