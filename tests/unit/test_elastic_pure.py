@@ -254,43 +254,41 @@ def test_exit_code_without_sys_exit_is_zero():
     assert faults.exit_code() == 0
 
 
-def test_the_watchdog_asks_the_elastic_hook_before_aborting(monkeypatch):
+def _stall_with_hook(monkeypatch, hook, what: str, missing: str) -> list:
+    """One wait of 0.8 s under a 0.1 s watchdog whose elastic hook is ``hook``; the abort codes."""
     import time
 
     from hpctrain.comm import watchdog
 
-    aborted, asked = [], []
+    aborted = []
+    monkeypatch.setitem(watchdog.ON_STALL, "fn", hook)
+    dog = watchdog.Watchdog(0, aborted.append, 0.1)
+    dog.start()
+    with dog.watch(what, lambda: missing):
+        time.sleep(0.8)
+    dog.stop()
+    return aborted
+
+
+def test_the_watchdog_asks_the_elastic_hook_before_aborting(monkeypatch):
+    asked = []
 
     def hook(what, waited, missing):  # a lost rank the first time, a plain stall the second
         asked.append((what, missing()))
         return len(asked) == 1
 
-    monkeypatch.setitem(watchdog.ON_STALL, "fn", hook)
-    dog = watchdog.Watchdog(0, aborted.append, 0.1)
-    dog.start()
-    with dog.watch("recv_object from rank 1", lambda: "rank 1"):
-        time.sleep(0.8)
-    dog.stop()
+    aborted = _stall_with_hook(monkeypatch, hook, "recv_object from rank 1", "rank 1")
     assert asked[:2] == [("recv_object from rank 1", "rank 1")] * 2 and aborted == [3]
 
 
 def test_a_wait_the_revoke_did_not_end_aborts_at_its_next_stall(monkeypatch):
     """The hook says "a lost rank" every time, but the wait goes on: the second stall of the
     same wait aborts instead of revoking again for ever."""
-    import time
-
-    from hpctrain.comm import watchdog
-
-    aborted, asked = [], []
+    asked = []
 
     def hook(what, waited, missing):
         asked.append(what)
         return True
 
-    monkeypatch.setitem(watchdog.ON_STALL, "fn", hook)
-    dog = watchdog.Watchdog(0, aborted.append, 0.1)
-    dog.start()
-    with dog.watch("allreduce on world", lambda: "rank 2"):
-        time.sleep(0.8)
-    dog.stop()
+    aborted = _stall_with_hook(monkeypatch, hook, "allreduce on world", "rank 2")
     assert len(asked) == 2 and aborted == [3]
