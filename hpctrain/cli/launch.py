@@ -26,8 +26,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from hpctrain import settings
 
@@ -176,7 +177,7 @@ def run_elastic(exe: str, args: argparse.Namespace, flags: List[str], command: L
     with tempfile.TemporaryDirectory(prefix="hpctrain-elastic-") as reports:
         env.update(HPCTRAIN_ELASTIC="1", HPCTRAIN_ELASTIC_MIN_RANKS=str(min_np), HPCTRAIN_ELASTIC_REPORT=reports)
         argv = [exe, "-n", str(args.np), *flags, *elastic_flags(version_text(exe)), *command]
-        rc = run_forwarding_signals(argv, env)
+        rc = run_forwarding_signals(argv, env, overdue=AbortDeadline(reports))
         outcome = elastic_outcome(args.np, read_reports(reports))
     if outcome.lost:
         print(outcome.summary(), file=sys.stderr, flush=True)
@@ -199,6 +200,36 @@ def read_reports(folder: str) -> List[dict]:
         except (OSError, ValueError):
             continue
     return out
+
+
+# A rank that aborts on an error writes its report first; MPI_Abort then ends the job within
+# seconds. Under fault tolerance Open MPI 5's mpiexec was seen to print the abort and then
+# wait forever (the aborting ranks end themselves after hpctrain.comm.world.ABORT_DEADLINE_S,
+# 30 s): past this grace the launch ends the job itself.
+ABORT_GRACE_S = 60.0
+
+
+class AbortDeadline:
+    """``overdue()`` for run_forwarding_signals: why the job must be ended (some rank reported
+    that it is aborting on an error, ``grace`` seconds ago or more), else None."""
+
+    def __init__(self, folder: str, grace: Optional[float] = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.folder, self.clock = folder, clock
+        self.grace = ABORT_GRACE_S if grace is None else grace
+        self.since: Optional[float] = None
+        self.ranks: List[int] = []
+
+    def __call__(self) -> Optional[str]:
+        now = self.clock()
+        if self.since is None:
+            self.ranks = sorted(r["launched_rank"] for r in read_reports(self.folder) if not r.get("finished"))
+            if self.ranks:
+                self.since = now
+            return None
+        if now - self.since < self.grace:
+            return None
+        return (f"launched rank(s) {', '.join(map(str, self.ranks))} aborted the job on an error, but mpiexec "
+                f"has not ended it {self.grace:.0f} s later; ending it")
 
 
 class ElasticOutcome:
@@ -237,9 +268,12 @@ def elastic_outcome(launched: int, reports: List[dict]) -> ElasticOutcome:
     return ElasticOutcome(launched, finished, list(longest.get("reforms", [])), failed)
 
 
-def run_forwarding_signals(argv: List[str], env: Mapping[str, str]) -> int:
+def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
+                           overdue: Optional[Callable[[], Optional[str]]] = None) -> int:
     """Run ``argv`` (an mpiexec command); a stop signal to this process goes to the ranks
-    (mpiexec itself when none is found yet). Exit status: mpiexec's, or 128 + the signal
+    (mpiexec itself when none is found yet). ``overdue()``, asked every second, says why the
+    job must be ended now (None: not yet): then mpiexec and every process under it are
+    stopped and the status is 1. Otherwise the exit status is mpiexec's, or 128 + the signal
     when one was forwarded and the job ended non-zero."""
     import psutil  # noqa: F401 - imported here, not first inside a signal handler (a second signal mid-import broke it)
 
@@ -259,10 +293,51 @@ def run_forwarding_signals(argv: List[str], env: Mapping[str, str]) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        rc = proc.wait()
+        rc = wait_unless_overdue(proc, overdue)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if caught and rc != 0:
         return 128 + caught[0]
     return rc
+
+
+def wait_unless_overdue(proc: subprocess.Popen, overdue: Optional[Callable[[], Optional[str]]],
+                        poll_s: float = 1.0) -> int:
+    """``proc``'s exit status; 1 after stopping it and its descendants when ``overdue()``
+    gives a reason."""
+    while True:
+        try:
+            return proc.wait(timeout=poll_s if overdue else None)
+        except subprocess.TimeoutExpired:
+            pass
+        why = overdue()
+        if why:
+            print(f"hpctrain launch: {why}", file=sys.stderr, flush=True)
+            stop_process_tree(proc.pid)
+            proc.wait()
+            return 1
+
+
+def stop_process_tree(root: int, grace_s: float = 5.0) -> None:
+    """SIGTERM to ``root`` and every descendant (all listed before any is signalled: none is
+    re-parented out of sight), SIGKILL to those still alive ``grace_s`` later."""
+    import psutil
+
+    try:
+        top = psutil.Process(root)
+        procs = top.children(recursive=True) + [top]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)

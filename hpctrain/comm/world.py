@@ -185,7 +185,7 @@ def init(check_slurm: bool = True) -> "Group":
         _state["launched"] = list(range(MPI.COMM_WORLD.Get_size()))
         world = Group(MPI.COMM_WORLD, "world")
         _state["world"] = world
-        dog = Watchdog(world.rank, lambda code: MPI.COMM_WORLD.Abort(code), stall_timeout())
+        dog = Watchdog(world.rank, abort_job, stall_timeout())
         if world.size > 1:
             dog.start()
             _install_excepthook()
@@ -441,9 +441,22 @@ def split(color: int, key: Optional[int] = None, group: Optional[Group] = None) 
 
 
 # --------------------------------------------------------------------------- aborting
+# MPI_Abort normally ends every rank within a second; under fault tolerance (an elastic job
+# after a lost rank) Open MPI 5's launcher was seen to take the abort and then neither kill
+# the ranks nor exit. Past this deadline the aborting rank ends itself.
+ABORT_DEADLINE_S = 30.0
+
+
 def abort_job(code: int = 1) -> None:
+    """End the whole MPI job (MPI_Abort on the world); this rank exits with ``code`` at the
+    latest, or with status 1 after ABORT_DEADLINE_S when MPI_Abort does not return or end it
+    (a thread in C that needs no GIL: faulthandler's, which first prints every thread's stack)."""
+    import faulthandler
+
     MPI = _state["MPI"]
     if MPI is not None:
+        sys.stderr.flush()
+        faulthandler.dump_traceback_later(ABORT_DEADLINE_S, exit=True)
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 

@@ -96,7 +96,7 @@ def test_elastic_launch_exit_status_follows_the_reports(monkeypatch, capsys, rc,
     import json
     import os
 
-    def fake_run(argv, env):
+    def fake_run(argv, env, overdue=None):
         folder = env["HPCTRAIN_ELASTIC_REPORT"]
         lost = [r for r, f in enumerate(finished) if f is None]
         reforms = [dict(old_size=3, new_size=3 - len(lost), lost_launched=lost)] if lost else []
@@ -113,6 +113,83 @@ def test_elastic_launch_exit_status_follows_the_reports(monkeypatch, capsys, rc,
     assert launch.run_elastic("mpiexec", args, [], ["python", "x.py"], {}) == want
     if want == 1 and rc == 0:
         assert "ended with an error" in capsys.readouterr().err
+
+
+FAKE_MPIEXEC = """#!/bin/sh
+# an mpiexec that takes a rank's abort and then neither ends its processes nor exits
+printf '{"launched_rank": 1, "finished": false, "exit_code": 1, "reforms": []}' > "$HPCTRAIN_ELASTIC_REPORT/rank-1.json"
+sleep 300 &
+echo $! > "$PIDFILE"
+wait
+"""
+
+
+def test_a_launch_whose_mpiexec_outlives_an_abort_ends_it_after_the_grace(tmp_path, monkeypatch, capsys):
+    import argparse
+    import os
+    import time
+
+    import psutil
+
+    exe = tmp_path / "mpiexec"
+    exe.write_text(FAKE_MPIEXEC)
+    exe.chmod(0o755)
+    monkeypatch.setattr(launch, "version_text", lambda exe: "mpiexec (Open MPI) 5.0.11\n")
+    monkeypatch.setattr(launch, "ABORT_GRACE_S", 1.5)
+    pidfile = tmp_path / "pid"
+    env = {"PATH": os.environ["PATH"], "PIDFILE": str(pidfile)}
+    start = time.monotonic()
+    rc = launch.run_elastic(str(exe), argparse.Namespace(np=3, min_np=2), [], ["python", "x.py"], env)
+    took = time.monotonic() - start
+    assert rc == 1
+    assert 1.5 <= took < 20, took
+    err = capsys.readouterr().err
+    assert "launched rank(s) 1 aborted the job on an error, but mpiexec has not ended it 2 s later" in err, err
+    child = int(pidfile.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_abort_deadline_starts_at_the_first_failed_report(tmp_path):
+    import json
+
+    now = [100.0]
+    deadline = launch.AbortDeadline(str(tmp_path), grace=10, clock=lambda: now[0])
+    (tmp_path / "rank-0.json").write_text(json.dumps({"launched_rank": 0, "finished": True, "exit_code": 0}))
+    assert deadline() is None
+    now[0] = 500.0  # a finished rank starts no deadline
+    assert deadline() is None
+    (tmp_path / "rank-2.json").write_text(json.dumps({"launched_rank": 2, "finished": False, "exit_code": 1}))
+    assert deadline() is None  # seen now: the grace starts
+    now[0] = 509.9
+    assert deadline() is None
+    now[0] = 510.0
+    assert "launched rank(s) 2 aborted the job" in deadline()
+
+
+def test_a_rank_whose_mpi_abort_never_returns_exits_after_the_deadline(tmp_path):
+    """MPI_Abort that blocks (as under fault tolerance, once): the rank ends itself."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time\n"
+        "import hpctrain.comm\n"
+        "world = sys.modules['hpctrain.comm.world']  # the package's `world` is the function\n"
+        "class Comm:\n"
+        "    def Abort(self, code):\n"
+        "        time.sleep(300)\n"
+        "class MPI:\n"
+        "    COMM_WORLD = Comm()\n"
+        "world._state['MPI'] = MPI\n"
+        "world.ABORT_DEADLINE_S = 1.0\n"
+        "world.abort_job(3)\n"
+    )
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert time.monotonic() - start < 30
+    assert "Timeout" in out.stderr and "Abort" in out.stderr, out.stderr
 
 
 def test_object_state_commits_restores_and_syncs():
