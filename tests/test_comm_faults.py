@@ -29,6 +29,16 @@ def test_stall_watchdog_names_missing_rank_and_aborts(n, elements, autotune, alg
     assert elapsed < 40, f"took {elapsed:.0f}s"
 
 
+def test_stall_in_the_check_through_rank_0_names_only_the_missing_rank():
+    """Without the shared-memory flags (as across nodes) rank 0 coordinates the check: of
+    ranks 1 and 2, only rank 1 never sends its header, after one call that agreed."""
+    result = run_mpi(3, python_argv(str(SCRIPTS / "stall.py"), "4", "auto", "after-one"), timeout=60,
+                     env={"HPCTRAIN_STALL_TIMEOUT": "3", "HPCTRAIN_SHM_FLAGS": "0"})
+    assert result.returncode not in (0, -9), result.stdout
+    assert "(agreement check)" in result.stdout and "Not arrived: ranks 1." in result.stdout, result.stdout
+    assert "unreachable" not in result.stdout
+
+
 @pytest.mark.parametrize("how", ["new_group", "split"])
 def test_group_creation_with_a_missing_rank_aborts(how):
     t0 = time.monotonic()

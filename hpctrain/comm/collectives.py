@@ -279,8 +279,28 @@ def _run_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> bool:
     contiguous, writable array (the general path then checks it and routes it)."""
     if not (x.flags.c_contiguous and x.flags.writeable) or (g.shared_buffers and _find_shared(g, x) is not None):
         return False
-    _execute(g, lean.route, x, x, op, lean.dtype_name, x.shape)
+    if lean.route.kind == "native":
+        _native_lean(g, x, op, lean)
+    else:
+        _execute(g, lean.route, x, x, op, lean.dtype_name, x.shape)
     return True
+
+
+def _native_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> None:
+    """``_execute``'s native route (small all-reduces across nodes) with less Python: the same
+    agreement header and watched MPI_Allreduce. Across nodes with more ranks than cores every
+    microsecond of Python here is on every rank's critical path, about threefold."""
+    dog = _world_state["watchdog"]
+    word = x.size if x.ndim == 1 else guard.count_word(x.shape, x.size)
+    algo = lean.route.algorithm
+    if _CHECKS.on:
+        guard.agree(g, guard.make_header(0, "allreduce", op, lean.dtype_name, word, algo), dog, x.shape)
+    else:
+        g.seq += 1
+    what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
+        guard.make_header(g.seq, "allreduce", op, lean.dtype_name, word, algo)) + f" on {g.name}"
+    with dog.watch(what, _all_ranks(g)):
+        algorithms.native_(g.comm, x, op, lean.dtype_name)
 
 
 def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:

@@ -213,44 +213,84 @@ def agree(group, header: np.ndarray, dog, shape=None, decision: int = 0) -> int:
         group.node_flags.agree(header, dog, lambda: what() + " (agreement check)", group.describe_ranks, group,
                                shape=shape)
         return 0
-    comm = group.ctl_comm
     if group.rank == 0:
-        headers = np.empty((group.size, HEADER_LEN), dtype=np.int64)
-        headers[0] = header
-        from mpi4py import MPI
-
-        requests = [comm.Irecv(headers[r], source=r, tag=_TAG_HEADER) for r in range(1, group.size)]
-        pending = set(range(1, group.size))
-
-        def missing() -> str:
-            return group.describe_ranks(sorted(pending))
-
-        with dog.watch(lambda: what() + " (agreement check)", missing):
-            while pending:
-                done = MPI.Request.Waitsome(requests)
-                for i in done or ():
-                    pending.discard(i + 1)
-        ok = bool((headers == headers[0]).all())
-        verdict = np.array([0, decision] if ok else [1, 0], dtype=np.int64)
-        sends = [comm.Isend(verdict, dest=r, tag=_TAG_VERDICT) for r in range(1, group.size)]
-        MPI.Request.Waitall(sends)
-        if not ok:
-            for r in range(1, group.size):
-                comm.send(headers, dest=r, tag=_TAG_MESSAGE)
-            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
-        return decision
-    else:
-        comm.Send(header, dest=0, tag=_TAG_HEADER)
-        verdict = np.empty(2, dtype=np.int64)  # [0 (agreed) or 1, rank 0's decision]
-        coordinator = group.describe_ranks([0])
-        with dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
-                       lambda: f"{coordinator}, which coordinates the check (see its report)", grace=2.0):
-            comm.Recv(verdict, source=0, tag=_TAG_VERDICT)
-            if verdict[0] != 0:
-                headers = comm.recv(source=0, tag=_TAG_MESSAGE)
+        return _coordinate(group, header, dog, shape, decision, what)
+    comm = group.ctl_comm
+    comm.Send(header, dest=0, tag=_TAG_HEADER)
+    verdict = np.empty(2, dtype=np.int64)  # [0 (agreed) or 1, rank 0's decision]
+    with dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
+                   lambda: f"{group.describe_ranks([0])}, which coordinates the check (see its report)", grace=2.0):
+        comm.Recv(verdict, source=0, tag=_TAG_VERDICT)
         if verdict[0] != 0:
-            raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
-        return int(verdict[1])
+            headers = comm.recv(source=0, tag=_TAG_MESSAGE)
+    if verdict[0] != 0:
+        raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
+    return int(verdict[1])
+
+
+_UNSET = -1  # a header row's sequence word until that rank's header arrives (sequences start at 1)
+
+
+class CheckIO:
+    """Group rank 0's side of the agreement check over MPI, made once per group: the headers'
+    rows and persistent receives (one per other rank), the verdict and persistent sends. A
+    small checked all-reduce across nodes waits for rank 0's Python between the headers and
+    the verdict, on every rank: here that Python is a few calls. ``busy``: in use (a second
+    thread's check on the same group gets a private one)."""
+
+    __slots__ = ("headers", "verdict", "recvs", "sends", "busy")
+
+    def __init__(self, comm, size: int) -> None:
+        self.headers = np.empty((size, HEADER_LEN), dtype=np.int64)
+        self.verdict = np.zeros(2, dtype=np.int64)
+        self.recvs = [comm.Recv_init(self.headers[r], source=r, tag=_TAG_HEADER) for r in range(1, size)]
+        self.sends = [comm.Send_init(self.verdict, dest=r, tag=_TAG_VERDICT) for r in range(1, size)]
+        self.busy = False
+
+    def free(self) -> None:
+        for request in self.recvs + self.sends:
+            try:
+                request.Free()
+            except Exception:  # its communicator already revoked (elastic jobs)
+                pass
+        self.recvs, self.sends = [], []
+
+
+def _coordinate(group, header: np.ndarray, dog, shape, decision: int, what) -> int:
+    """Rank 0's part of ``agree`` over MPI: every header in, one verdict out (with
+    ``decision``); a mismatch also sends every rank the headers, then raises."""
+    from mpi4py import MPI
+
+    io = group.check_io
+    if io is None or io.busy:
+        io = CheckIO(group.ctl_comm, group.size)
+        if group.check_io is None:
+            group.check_io = io
+    io.busy = True
+    try:
+        headers = io.headers
+        headers[0] = header
+        headers[1:, 0] = _UNSET
+
+        def missing() -> str:  # read by the watchdog's thread while MPI fills the rows: a report only
+            return group.describe_ranks([r for r in range(1, group.size) if headers[r, 0] == _UNSET])
+
+        MPI.Prequest.Startall(io.recvs)
+        with dog.watch(lambda: what() + " (agreement check)", missing):
+            MPI.Request.Waitall(io.recvs)
+        ok = not (headers != headers[0]).any()
+        io.verdict[0], io.verdict[1] = (0, decision) if ok else (1, 0)
+        MPI.Prequest.Startall(io.sends)
+        MPI.Request.Waitall(io.sends)
+        if ok:
+            return decision
+        headers = headers.copy()
+    finally:
+        io.busy = False
+    comm = group.ctl_comm
+    for r in range(1, group.size):
+        comm.send(headers, dest=r, tag=_TAG_MESSAGE)
+    raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
 
 
 def plain_shape(shape):

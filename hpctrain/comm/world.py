@@ -79,6 +79,7 @@ class Group:
         self.cross_comm = mpi_comm.Split(color=self.local_rank, key=self.rank)
         self.cross_ring_comm = self.cross_comm.Dup()
         self.seq = 0  # collectives entered, identical on every rank when they agree
+        self.check_io = None  # rank 0's agreement-check buffers over MPI (guard.CheckIO), made on first use
         # Flag synchronisation among this group's ranks on this node (None: one local rank,
         # or the C extension missing). On a one-node group it also runs the agreement check
         # and small all-reduces.
@@ -152,6 +153,9 @@ class Group:
             self.node_flags = None
             self.small_shm = 0
             self.lean_routes = {}  # decided with the flags
+        if self.check_io is not None:
+            self.check_io.free()
+            self.check_io = None
         for c in self._comms()[1:]:
             try:
                 c.Free()
