@@ -15,7 +15,9 @@ exits 128 + the signal number, as a run signalled directly does.
 ``HPCTRAIN_ELASTIC=1``: a script using ``hvd.elastic.run`` (or any code that calls
 ``hpctrain.comm.reform`` on ``RanksLostError``) goes on when ranks die, down to ``--min-np``
 ranks. The launch then exits 0 when every rank either finished or was lost, and prints which
-ranks were lost and the committed step the survivors resumed from.
+ranks were lost and the committed step the survivors resumed from. A rank that stops the job
+on an error ends it: should mpiexec still be running 60 s after that rank reported its abort
+(seen under fault tolerance), the launch stops it and everything under it and exits 1.
 """
 from __future__ import annotations
 
