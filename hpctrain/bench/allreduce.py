@@ -20,6 +20,7 @@ candidate got, e.g. "auto(shm 87%+native 13%)".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -85,9 +86,11 @@ def capped_iterations(iters: int, warmup: int, repeats: int, call_seconds: float
 def call_seconds(fn: Callable[[], None]) -> float:
     """One call's time on the slowest rank: every rank gets the same figure, so every rank
     derives the same number of calls from it."""
-    t0 = time.perf_counter()
-    fn()
-    return timed_max(time.perf_counter() - t0)
+    with setting_of(fn):
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+    return timed_max(seconds)
 
 
 def timed_max(seconds: float) -> float:
@@ -96,13 +99,21 @@ def timed_max(seconds: float) -> float:
 
 def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
     """Mean seconds per call on the slowest rank."""
-    for _ in range(warmup):
-        fn()
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return timed_max((time.perf_counter() - t0) / max(iters, 1))
+    with setting_of(fn):
+        for _ in range(warmup):
+            fn()
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        seconds = (time.perf_counter() - t0) / max(iters, 1)
+    return timed_max(seconds)
+
+
+def setting_of(fn):
+    """What must hold while ``fn`` is timed (its ``setting``, a context manager; e.g. the
+    agreement check on), entered once around the timing, not paid on every call."""
+    return getattr(fn, "setting", None) or contextlib.nullcontext()
 
 
 def make_runners(algos: List[str], dtype: str):
@@ -142,13 +153,22 @@ def _zero_copy_runner(algo: str):
 
 def _checked_runner(buf: np.ndarray):
     def run():
-        comm.set_checks(True)
-        try:
-            comm.allreduce_(buf)
-        finally:
-            comm.set_checks(False)
+        comm.allreduce_(buf)
 
+    run.setting = _checks_on()
     return run
+
+
+class _checks_on:
+    """The agreement check on for one timing (every rank enters it at the same point), as it
+    was after it (--check leaves it on for every competitor)."""
+
+    def __enter__(self) -> None:
+        self.was = comm.checks_enabled()
+        comm.set_checks(True)
+
+    def __exit__(self, *exc) -> None:
+        comm.set_checks(self.was)
 
 
 def _raw_mpi_runner(in_place: bool):

@@ -392,16 +392,28 @@ static int header_acquire(PyObject *obj, Py_buffer *hdr) {
     return 1;
 }
 
-/* exchange(header, buf, dtype, op, timeout) -> status
- * header: a 64-byte buffer or None; buf: a writable C-contiguous buffer or None. */
+/* exchange(header, buf, dtype, op, timeout[, header_seq]) -> status
+ * header: a 64-byte buffer or None; buf: a writable C-contiguous buffer or None;
+ * header_seq >= 0: the header's first word (its sequence number) is this instead, so that a
+ * caller can pass one packed header per call site rather than pack one per call. */
 static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
     PyObject *hdr_obj, *buf_obj;
     int dtype, op;
     double timeout;
-    if (!ready(self) || !PyArg_ParseTuple(args, "OOiid", &hdr_obj, &buf_obj, &dtype, &op, &timeout)) return NULL;
+    long long header_seq = -1;
+    if (!ready(self) || !PyArg_ParseTuple(args, "OOiid|L", &hdr_obj, &buf_obj, &dtype, &op, &timeout, &header_seq))
+        return NULL;
     Py_buffer hdr = {0}, buf = {0};
     int have_hdr = header_acquire(hdr_obj, &hdr), have_buf = buf_obj != Py_None;
     if (have_hdr < 0) return NULL;
+    unsigned char mine[HDR_BYTES]; /* this rank's header as sent: compared with every rank's */
+    if (have_hdr) {
+        memcpy(mine, hdr.buf, HDR_BYTES);
+        if (header_seq >= 0) {
+            int64_t word = (int64_t)header_seq;
+            memcpy(mine, &word, sizeof word);
+        }
+    }
     Py_ssize_t n = 0;
     if (have_buf) {
         if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
@@ -421,13 +433,13 @@ static PyObject *Ctx_exchange(Ctx *self, PyObject *args) {
     int status = ST_OK;
     uint64_t seq = ++self->seq;
     Py_BEGIN_ALLOW_THREADS
-    if (have_hdr) memcpy(hdr_of(self, self->rank, seq), hdr.buf, HDR_BYTES);
+    if (have_hdr) memcpy(hdr_of(self, self->rank, seq), mine, HDR_BYTES);
     if (have_buf) memcpy(data_of(self, self->rank, seq), buf.buf, buf.len);
     __atomic_store_n(flag_of(self, self->rank), seq, __ATOMIC_RELEASE);
     status = wait_all(self, seq, timeout);
     if (status == ST_OK && have_hdr) {
         for (int q = 0; q < self->nranks; q++)
-            if (memcmp(hdr_of(self, q, seq), hdr.buf, HDR_BYTES) != 0) { status = ST_MISMATCH; break; }
+            if (memcmp(hdr_of(self, q, seq), mine, HDR_BYTES) != 0) { status = ST_MISMATCH; break; }
     }
     if (status == ST_OK && have_buf && n) reduce_slots(self, seq, buf.buf, n, dtype, op);
     Py_END_ALLOW_THREADS
@@ -655,7 +667,8 @@ static PyObject *Ctx_get_seq(Ctx *self, void *Py_UNUSED(closure)) {
 
 static PyMethodDef Ctx_methods[] = {
     {"exchange", (PyCFunction)Ctx_exchange, METH_VARARGS,
-     "exchange(header, buf, dtype_code, op_code, timeout) -> 0 ok, 1 timeout, 2 header mismatch, 3 rank gone"},
+     "exchange(header, buf, dtype_code, op_code, timeout[, header_seq]) -> 0 ok, 1 timeout, 2 header mismatch, "
+     "3 rank gone"},
     {"allreduce_piped", (PyCFunction)Ctx_allreduce_piped, METH_VARARGS,
      "allreduce_piped(buffer or [buffers], dtype_code, op_code, divisor, header, timeout, segment_bytes) -> status"},
     {"headers", (PyCFunction)Ctx_headers, METH_O, "headers(out): every rank's header of the last exchange"},

@@ -53,3 +53,26 @@ def test_rows_print_against_the_references_measured_so_far():
     assert lines[0].split()[-2:] == ["x_best_mpi", "x_gloo"]
     auto = next(line for line in lines if "auto(auto)" in line).split()
     assert auto[-2:] == ["2.00", "4.00"]
+
+
+def test_auto_check_has_the_check_on_for_its_whole_timing_then_as_before():
+    """The switch is entered once around a timing (a job does not pay it per call), and
+    --check stays on for the competitors timed after auto-check."""
+    import contextlib
+
+    import numpy as np
+
+    from hpctrain import comm
+    from hpctrain.bench import allreduce as bench
+
+    was = comm.checks_enabled()
+    try:
+        for before in (False, True):
+            comm.set_checks(before)
+            run = bench._checked_runner(np.ones(4, dtype=np.float32))
+            with bench.setting_of(run):
+                assert comm.checks_enabled()
+            assert comm.checks_enabled() == before
+        assert isinstance(bench.setting_of(lambda: None), contextlib.nullcontext)
+    finally:
+        comm.set_checks(was)

@@ -91,6 +91,23 @@ def test_header_mismatch_is_reported_and_headers_readable():
     assert headers[0, 4] == 10 and headers[1, 4] == 12
 
 
+def test_a_header_sent_with_its_sequence_number_apart_is_written_and_compared_with_it():
+    """exchange(..., header_seq): one packed header per call site, this call's number put in."""
+    template = shmsync.HEADER.pack(0, 0, 1, 11, 12, 3, 0, 0)
+    for theirs_seq, want in ((7, shmsync.ST_OK), (6, shmsync.ST_MISMATCH)):
+        mem, addrs = regions(2)
+        ctx = _shmsync.Ctx(addrs, 1, SLOT, 0)
+        peer_posts(mem[0], 1, np.full(12, 2, dtype=np.float32), header=shmsync.HEADER.pack(theirs_seq, 0, 1, 11, 12,
+                                                                                            3, 0, 0))
+        x = np.ones(12, dtype=np.float32)
+        assert ctx.exchange(template, x, DTYPE_CODES["float32"], 0, 1.0, 7) == want
+        headers = np.empty((2, 8), dtype=np.int64)
+        ctx.headers(headers)
+        assert headers[1].tolist() == [7, 0, 1, 11, 12, 3, 0, 0]  # what this rank wrote
+        np.testing.assert_array_equal(x, np.full(12, 3.0) if want == shmsync.ST_OK else np.ones(12))
+    assert template == shmsync.HEADER.pack(0, 0, 1, 11, 12, 3, 0, 0)  # the caller's bytes untouched
+
+
 def test_rejects_oversized_and_unsupported_input():
     _, addrs = regions(1)
     ctx = _shmsync.Ctx(addrs, 0, SLOT, 0)
