@@ -459,8 +459,11 @@ def abort_job(code: int = 1) -> None:
 
     MPI = _state["MPI"]
     if MPI is not None:
-        sys.stderr.flush()
-        faulthandler.dump_traceback_later(ABORT_DEADLINE_S, exit=True)
+        try:
+            sys.stderr.flush()
+            faulthandler.dump_traceback_later(ABORT_DEADLINE_S, exit=True)
+        except (AttributeError, OSError, RuntimeError, ValueError):  # no usable stderr: abort without the deadline
+            pass
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 
