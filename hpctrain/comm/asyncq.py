@@ -189,6 +189,35 @@ def submit(name: str, fn: Callable[[], Any], fuse: Optional[Fusable] = None) -> 
     return _worker["w"].submit(name, fn, fuse)
 
 
+def run_now(name: str, fn: Callable[[], Any]) -> "Finished":
+    """Run ``fn`` in the caller's thread, after every queued async collective (the order every
+    rank keeps), and return its finished handle: a blocking call submitted as an async one
+    would wait for the background thread to wake (on a busy 2-core machine ~100 µs, more than
+    a small all-reduce itself). Its error is raised by ``wait()``, as an async job's is."""
+    drain()
+    try:
+        return Finished(name, fn())
+    except BaseException as exc:  # delivered to whoever waits on the handle, as for async jobs
+        return Finished(name, error=exc)
+
+
+class Finished:
+    """A ``Handle`` whose operation has already run (``run_now``): no event to wait on."""
+
+    __slots__ = ("_result", "_error", "name")
+
+    def __init__(self, name: str, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self._result, self._error, self.name = result, error, name
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 def drain() -> None:
     """Wait until every submitted async collective has finished."""
     w = _worker["w"]

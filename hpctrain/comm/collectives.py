@@ -90,9 +90,24 @@ def _small_shm(g: Group, dtype_name: str) -> int:
 
 
 def _route(g: Group, nbytes: int, dtype_name: str, requested: str, shared: bool) -> plan.Route:
-    """``plan.route`` with this group's facts: the one all-reduce decision, for every path."""
-    return plan.route(nbytes, g.topology, requested, shared=shared, small_shm=_small_shm(g, dtype_name),
-                      pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune, cross_node=g.cross_node)
+    """``plan.route`` with this group's facts: the one all-reduce decision, for every path.
+    Cached on the group (deciding costs ~4 µs, a small all-reduce's whole budget): every
+    input but the call's own is fixed while the group lives (its flags, topology, run-time
+    choice and thresholds; ``Group.free`` drops the cache with the flags)."""
+    key = (nbytes, dtype_name, requested, shared)
+    route = g.routes.get(key)
+    if route is None:
+        route = plan.route(nbytes, g.topology, requested, shared=shared, small_shm=_small_shm(g, dtype_name),
+                           pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune,
+                           cross_node=g.cross_node)
+        _cache(g, key, route)
+    return route
+
+
+def _cache(g: Group, key: tuple, decision: Any) -> None:
+    if len(g.routes) >= _ROUTE_CACHE_ENTRIES:  # a program's kinds of all-reduce are few; bound it anyway
+        g.routes.clear()
+    g.routes[key] = decision
 
 
 # --------------------------------------------------------------------------- all-reduce
@@ -107,7 +122,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     """
     g = _sync_start(group)
     if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
-        lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+        lean = g.routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
         if lean.route is not None:
             out = np.array(x, order="C")  # private, contiguous and writable: the lean path takes it
             try:
@@ -148,7 +163,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
                 and not g.joined):
             if _ASYNC.started:
                 asyncq.drain()
-            lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            lean = g.routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
             if lean.flags:
                 g.seq += 1
                 dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
@@ -174,12 +189,21 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
             return _allreduce(x, op, algorithm, g, inplace=True)
         g = _sync_start(group)
         if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
-            lean = g.lean_routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            lean = g.routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
             if lean.route is not None and _run_lean(g, x, op, lean):
                 return x
     except CollectiveMismatchError as e:
         return _after_mismatch(e, x, op, g, inplace=True)
     return _allreduce(x, op, algorithm, g, inplace=True)
+
+
+def allreduce_now(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,
+                  inplace: bool = False, agree_on=None) -> asyncq.Finished:
+    """``allreduce_async`` for a caller that waits at once: run in the caller's thread after the
+    queued async collectives; returns a finished handle (its ``wait()`` raises the error)."""
+    g = resolve(group)
+    check_op(op)
+    return asyncq.run_now(f"allreduce({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on))
 
 
 def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,
@@ -234,7 +258,7 @@ _AUTO = guard.algorithm_index("auto")
 _INT64 = DTYPE_CODES["int64"]
 _SUM = shmsync.OP_CODES["sum"]
 _LEAN_KINDS = ("flags", "piped", "tuned", "native")  # the lean path runs these (native: across nodes, 1 KiB costs a few µs of MPI)
-_LEAN_CACHE_ENTRIES = 4096  # (size, dtype, op) a program all-reduces are few; bound the cache anyway
+_ROUTE_CACHE_ENTRIES = 4096  # Group.routes
 
 
 def _flag_header(seq: int, op: str, code: int, word: int, algorithm: int) -> Optional[bytes]:
@@ -275,9 +299,7 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
         if route.kind in _LEAN_KINDS:
             anywhere = route.kind == "flags" and _route(g, nbytes, name, "auto", True) == route
             entry = _Lean(route, anywhere, _HEADER_OP[op], code, _KERNEL_OP[op], name, nbytes // dtype.itemsize)
-    if len(g.lean_routes) >= _LEAN_CACHE_ENTRIES:
-        g.lean_routes.clear()
-    g.lean_routes[(nbytes, dtype, op)] = entry
+    _cache(g, (nbytes, dtype, op), entry)
     return entry
 
 

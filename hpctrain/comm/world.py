@@ -102,8 +102,10 @@ class Group:
         self.tuner = None
         self.tuned_choice = np.zeros(1, dtype=np.int64)
         self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)
-        # the lean all-reduce path's decisions, (nbytes, dtype, op) -> collectives._Lean (collectives._lean)
-        self.lean_routes: dict = {}
+        # all-reduce decisions, made once per kind of call (their inputs are this group's fixed
+        # facts): (nbytes, dtype, op) -> the lean path's collectives._Lean, and (nbytes,
+        # dtype name, requested algorithm, shared) -> plan.Route (collectives._route)
+        self.routes: dict = {}
         # Ranks that called join() and now stand in for zeros in the others' all-reduces, in
         # the order they joined (the same list on every rank: read from shared agreement
         # headers); empty outside a join (comm/joining.py).
@@ -152,7 +154,7 @@ class Group:
             self.node_flags.free()
             self.node_flags = None
             self.small_shm = 0
-            self.lean_routes = {}  # decided with the flags
+            self.routes = {}  # decided with the flags
         if self.check_io is not None:
             self.check_io.free()
             self.check_io = None

@@ -35,6 +35,7 @@ from . import agreement, staging, timeline
 from .compression import Compression
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hpctrain.comm import asyncq
+from hpctrain.comm.collectives import allreduce_now
 from hpctrain.comm.errors import CollectiveMismatchError
 from hpctrain.comm.guard import named_shape
 
@@ -598,11 +599,14 @@ def _scale_(buf: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                      compression: Any, process_set: Optional[ProcessSet], out: Optional[torch.Tensor],
-                     name: str, agree_name: Optional[str] = None, fusable: bool = False) -> Handle:
+                     name: str, agree_name: Optional[str] = None, fusable: bool = False,
+                     blocking: bool = False) -> Handle:
     """Start an all-reduce of ``tensor``; the handle's result is ``out`` (filled) or a new tensor.
     ``agree_name``: the caller's ``name=``, which the ranks' agreement check compares too (so
     calls matched out of order by name raise on every rank instead of mixing tensors).
-    ``fusable``: the ``*_async`` calls: fused with the async all-reduces queued behind it."""
+    ``fusable``: the ``*_async`` calls: fused with the async all-reduces queued behind it.
+    ``blocking``: the caller waits at once (``hvd.allreduce``, gradients): the collective runs
+    in its thread, after the queued async ones, instead of on the background thread."""
     if op == ReduceOp.Adasum:
         from . import adasum
 
@@ -625,8 +629,11 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
     by_scaling = op == ReduceOp.Average and (prescale != 1.0 or postscale != 1.0 or not _is_float(buf))
     _scale_(buf, prescale)
     comm_op = "sum" if by_scaling else _COMM_OPS[op]
-    inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True, fusable=fusable,
-                                 agree_on=None if agree_name is None else named_shape(agree_name, tensor.shape))
+    agree_on = None if agree_name is None else named_shape(agree_name, tensor.shape)
+    if blocking:
+        inner = allreduce_now(buf, op=comm_op, group=group, inplace=True, agree_on=agree_on)
+    else:
+        inner = comm.allreduce_async(buf, op=comm_op, group=group, inplace=True, fusable=fusable, agree_on=agree_on)
 
     def finish(_: Any) -> torch.Tensor:
         _scale_(buf, postscale / n if by_scaling else postscale)
@@ -649,13 +656,13 @@ class _AllreduceFn(torch.autograd.Function):
     def forward(ctx, tensor, op, prescale, postscale, process_set, name):  # type: ignore[override]
         ctx.args = (op, prescale, postscale, process_set)
         return _allreduce_start(tensor.detach(), op, prescale, postscale, Compression.none, process_set, None,
-                                name).wait()
+                                name, blocking=True).wait()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         op, prescale, postscale, process_set = ctx.args
         g = _allreduce_start(grad.contiguous(), op, prescale, postscale, Compression.none, process_set,
-                             None, "allreduce.grad").wait()
+                             None, "allreduce.grad", blocking=True).wait()
         return g, None, None, None, None, None
 
 
@@ -684,7 +691,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
         out = _AllreduceFn.apply(wire, op, prescale_factor, postscale_factor, process_set, name or "allreduce")
         return compression.decompress(out, cctx)
     return _allreduce_start(tensor, op, prescale_factor, postscale_factor, compression, process_set,
-                            None, name or "allreduce", name).wait()
+                            None, name or "allreduce", name, blocking=True).wait()
 
 
 @_traced("ALLREDUCE")
@@ -709,7 +716,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`: ``tensor`` holds the result; returns it."""
     return synchronize(_allreduce_inplace_start(tensor, average, name, op, prescale_factor, postscale_factor,
-                                                process_set, "allreduce_", fusable=False))
+                                                process_set, "allreduce_", fusable=False, blocking=True))
 
 
 @_traced("ALLREDUCE")
@@ -719,19 +726,20 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     return _allreduce_inplace_start(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-                                    "allreduce_async_", fusable=True)
+                                    "allreduce_async_", fusable=True, blocking=False)
 
 
 def _allreduce_inplace_start(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Optional[int],
                              prescale: float, postscale: float, process_set: ProcessSet, what: str,
-                             fusable: bool) -> Handle:
-    """``allreduce_`` and ``allreduce_async_``; only the async one is fused with its neighbours
-    (a blocking call has nothing queued behind it to fuse with)."""
+                             fusable: bool, blocking: bool) -> Handle:
+    """``allreduce_`` (``blocking``) and ``allreduce_async_``; only the async one is fused with
+    its neighbours (a blocking call has nothing queued behind it to fuse with)."""
     _require_init(f"hvd.{what}")
     _check_reducible(_check_tensor(tensor, what))
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale, postscale, Compression.none,
-                                                 process_set, tensor, name or "allreduce_", name, fusable=fusable))
+                                                 process_set, tensor, name or "allreduce_", name, fusable=fusable,
+                                                 blocking=blocking))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
@@ -888,7 +896,7 @@ class _AllgatherFn(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         ps = ctx.process_set
         averaged = _allreduce_start(grad.contiguous(), ReduceOp.Average, 1.0, 1.0, Compression.none, ps, None,
-                                    "allgather.grad").wait()
+                                    "allgather.grad", blocking=True).wait()
         start, count = _my_rows(comm.allgather_object(ctx.dim0, group=_group(ps)), ps)
         return averaged.narrow(0, start, count), None
 
@@ -994,7 +1002,7 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         averaged = _allreduce_start(grad.contiguous(), ReduceOp.Average, 1.0, 1.0, Compression.none,
-                                    ctx.process_set, None, "broadcast.grad").wait()
+                                    ctx.process_set, None, "broadcast.grad", blocking=True).wait()
         if comm.rank() != ctx.root:
             averaged = torch.zeros_like(averaged)
         return averaged, None, None

@@ -375,7 +375,7 @@ CALLS = 12
 def test_auto_runs_local_rank_0s_choice_on_every_rank(length, monkeypatch):
     monkeypatch.setattr(plan, "LARGE_RING_BYTES", 2 << 20)
     g = comm.world()
-    g.lean_routes.clear()
+    g.routes.clear()
     tuned = g.autotune
     saved, g.tuner = g.tuner, CyclingTuner()
     # Small whole numbers in float32: every algorithm's sum is exact in any order, so each call is
@@ -401,7 +401,7 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length, monkeypatch):
         stub = g.tuner
     finally:
         g.tuner = saved
-        g.lean_routes.clear()
+        g.routes.clear()
     if tuned and g.node_flags.rank == 0:
         # the ring joins from RING_CANDIDATE_BYTES at RING_CANDIDATE_RANKS ranks (plan.tuning_candidates)
         ring = N >= plan.RING_CANDIDATE_RANKS and length * 4 >= plan.RING_CANDIDATE_BYTES

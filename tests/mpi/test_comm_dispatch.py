@@ -147,14 +147,14 @@ def test_either_side_of_the_large_ring_threshold(group, spy, monkeypatch):
     # whose first touch cost this test ~15 s at 3 ranks on a 2-core VM.
     g = GROUPS[group]
     monkeypatch.setattr(plan, "LARGE_RING_BYTES", 2 << 20)
-    g.lean_routes.clear()
+    g.routes.clear()
     try:
         for nbytes in (plan.LARGE_RING_BYTES - 4, plan.LARGE_RING_BYTES):
             lean, general = run_both(g, nbytes // 4, "float32", "sum", spy)
             if g.small_shm and not g.autotune:
                 assert general.kind == ("piped" if nbytes < plan.LARGE_RING_BYTES else "ring")
     finally:
-        g.lean_routes.clear()
+        g.routes.clear()
 
 
 def test_non_contiguous_arrays_are_refused_in_place_and_copied_out_of_place(spy):

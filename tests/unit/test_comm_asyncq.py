@@ -73,3 +73,21 @@ def test_threshold_from_the_environment(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD"):
         asyncq.fusion_threshold()
+
+
+def test_a_blocking_call_runs_in_the_callers_thread_after_the_queued_jobs():
+    """run_now (hvd.allreduce and the gradients' all-reduces): the async jobs queued before it
+    finish first (the order every rank keeps), then it runs here, not on the background thread;
+    its error is raised by wait(), as an async job's is."""
+    order = []
+    gate = threading.Event()
+    queued = asyncq.submit("queued", lambda: (gate.wait(10), order.append("queued"))[1])
+    threading.Timer(0.2, gate.set).start()
+    here = threading.current_thread()
+    done = asyncq.run_now("now", lambda: order.append(("now", threading.current_thread() is here)) or 7)
+    assert order == ["queued", ("now", True)]
+    assert queued.done() and done.done() and done.wait() == 7
+    failed = asyncq.run_now("bad", lambda: 1 / 0)
+    assert failed.done()
+    with pytest.raises(ZeroDivisionError):
+        failed.wait()
