@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from .. import settings
 from . import algorithms, asyncq, device, guard, joining, plan, shmsync, tuning
-from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, rebuild
+from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, is_torch_tensor, rebuild
 from .device import accept_device_buffers, cuda_support  # noqa: F401 - public through hpctrain.comm
 from .adasum import grouped_adasum_  # noqa: F401 - public through hpctrain.comm
 from .errors import CollectiveMismatchError, CommError
@@ -203,7 +203,26 @@ def allreduce_now(x: Any, op: str = "sum", algorithm: str = "auto", group: Optio
     queued async collectives; returns a finished handle (its ``wait()`` raises the error)."""
     g = resolve(group)
     check_op(op)
+    arr = _numpy_view(x) if inplace and agree_on is None and algorithm == "auto" else None
+    if arr is not None:  # the lean path, on the tensor's own memory: the same decision and header
+        return asyncq.run_now(f"allreduce({op})", lambda: (allreduce_(arr, op, "auto", g), x)[1])
     return asyncq.run_now(f"allreduce({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on))
+
+
+_SHARED_WITH_NUMPY: dict = {}  # torch dtype -> True where .numpy() shares the tensor's memory as is
+
+
+def _numpy_view(x: Any) -> Optional[np.ndarray]:
+    """A contiguous CPU torch tensor of a plain numeric dtype as a numpy array on its memory
+    (same shape), for the lean path; None for anything else (the general path checks it)."""
+    if not is_torch_tensor(x) or device.on_device(x) or not x.is_cpu or x.is_sparse or not x.is_contiguous():
+        return None  # a device tensor takes MPI's own collective (_allreduce_now)
+    if not _SHARED_WITH_NUMPY:
+        import torch
+
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64):
+            _SHARED_WITH_NUMPY[dtype] = True
+    return x.detach().numpy() if x.dtype in _SHARED_WITH_NUMPY else None
 
 
 def allreduce_async(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[Group] = None,

@@ -242,3 +242,34 @@ def test_a_joined_rank_stands_in_with_zeros_on_the_lean_path(length, call, group
     assert g.joined == [N - 1]
     assert comm.join(group=g) in range(N - 1)
     assert not g.joined
+
+
+@pytest.mark.parametrize("length", [5, SMALL // 4 + 1])
+def test_a_blocking_call_on_a_tensor_runs_the_lean_path_on_its_memory(length, spy, monkeypatch):
+    """``allreduce_now`` (hvd.allreduce, hvd.allreduce_, gradients) on a contiguous CPU tensor:
+    the lean path on the tensor's own memory (not the general path's entry), its route, the
+    result in the tensor, pairing with a rank on the general path; a named call
+    (``agree_on``) takes the general path, which carries the name in its check."""
+    from hpctrain.comm.guard import named_shape
+
+    general = []
+    real = collectives._allreduce_now
+    monkeypatch.setattr(collectives, "_allreduce_now", lambda *a, **k: general.append(a[0]) or real(*a, **k))
+    x = data(length, "float32", R)
+    lean = lean_route(WORLD, x, "sum")
+    t = torch.from_numpy(x.copy())
+    spy.clear()
+    assert collectives.allreduce_now(t, "sum", inplace=True).wait() is t
+    assert general == ([] if lean is not None else [t]) and spy in ([], [lean])
+    check(t.numpy(), length, "float32", "sum")
+    mixed = torch.from_numpy(x.copy())
+    if R % 2 == 0:
+        collectives.allreduce_now(mixed, "sum", inplace=True).wait()
+    else:
+        comm.allreduce_(mixed)  # the general path, on a tensor
+    np.testing.assert_array_equal(mixed.numpy(), t.numpy())
+    named = torch.from_numpy(x.copy())
+    general.clear()
+    collectives.allreduce_now(named, "sum", inplace=True, agree_on=named_shape("n", named.shape)).wait()
+    assert general == [named]
+    np.testing.assert_array_equal(named.numpy(), t.numpy())
