@@ -327,28 +327,25 @@ def _run_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> bool:
     contiguous, writable array (the general path then checks it and routes it)."""
     if not (x.flags.c_contiguous and x.flags.writeable) or (g.shared_buffers and _find_shared(g, x) is not None):
         return False
-    if lean.route.kind == "native":
-        _native_lean(g, x, op, lean)
-    else:
-        _execute(g, lean.route, x, x, op, lean.dtype_name, x.shape)
+    _execute(g, lean.route, x, x, op, lean.dtype_name, x.shape)
     return True
 
 
-def _native_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> None:
-    """``_execute``'s native route (small all-reduces across nodes) with less Python: the same
-    agreement header and watched MPI_Allreduce. Across nodes with more ranks than cores every
-    microsecond of Python here is on every rank's critical path, about threefold."""
+def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape, extra: int = 0) -> None:
+    """The native route (small all-reduces across nodes): MPI_Allreduce of ``x`` in place
+    behind the agreement check, with little Python (across nodes with more ranks than cores
+    every microsecond here is on every rank's critical path, about threefold). ``shape``: what
+    the ranks agree on; ``extra``: a shared buffer's offset + 1 (the header's field)."""
     dog = _world_state["watchdog"]
-    word = x.size if x.ndim == 1 else guard.count_word(x.shape, x.size)
-    algo = lean.route.algorithm
+    word = guard.count_word(shape, x.size)
     if _CHECKS.on:
-        guard.agree(g, guard.make_header(0, "allreduce", op, lean.dtype_name, word, algo), dog, x.shape)
+        guard.agree(g, guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra), dog, shape)
     else:
         g.seq += 1
     what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
-        guard.make_header(g.seq, "allreduce", op, lean.dtype_name, word, algo)) + f" on {g.name}"
+        guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, extra)) + f" on {g.name}"
     with dog.watch(what, _all_ranks(g)):
-        algorithms.native_(g.comm, x, op, lean.dtype_name)
+        algorithms.native_(g.comm, x, op, dtype_name)
 
 
 def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
@@ -393,6 +390,9 @@ def _execute(g: Group, route: plan.Route, src, out, op: str, dtype_name: str, sh
     kind = route.kind
     if out is not src and kind not in ("shm", "hierarchical"):
         np.copyto(out, src)
+    if kind == "native":
+        _native(g, out, op, dtype_name, route.algorithm, shape, shared[1] + 1 if shared else 0)
+        return
     parts = out if isinstance(out, list) else [out]
     count = sum(a.size for a in parts)
     word = guard.count_word(shape, count)
@@ -426,11 +426,8 @@ def _execute(g: Group, route: plan.Route, src, out, op: str, dtype_name: str, sh
         algorithms.shm_(g, src, out, op, dtype_name, dog, what, cross=kind == "hierarchical", shape=shape)
     elif kind == "local":
         finish_average(out, 1, dtype_name)
-    elif kind == "ring":
+    else:  # ring (native returned above)
         algorithms.ring_(g.ring_comm, out, op, dtype_name, dog, what, describe=lambda r: g.describe_ranks([r]))
-    else:
-        with dog.watch(what, _all_ranks(g)):
-            algorithms.native_(g.comm, out, op, dtype_name)
 
 
 def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: int, candidates: Tuple[str, ...],
