@@ -716,7 +716,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`: ``tensor`` holds the result; returns it."""
     return synchronize(_allreduce_inplace_start(tensor, average, name, op, prescale_factor, postscale_factor,
-                                                process_set, "allreduce_", fusable=False, blocking=True))
+                                                process_set, "allreduce_", blocking=True))
 
 
 @_traced("ALLREDUCE")
@@ -726,20 +726,20 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place all-reduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     return _allreduce_inplace_start(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-                                    "allreduce_async_", fusable=True, blocking=False)
+                                    "allreduce_async_", blocking=False)
 
 
 def _allreduce_inplace_start(tensor: torch.Tensor, average: Optional[bool], name: Optional[str], op: Optional[int],
                              prescale: float, postscale: float, process_set: ProcessSet, what: str,
-                             fusable: bool, blocking: bool) -> Handle:
+                             blocking: bool) -> Handle:
     """``allreduce_`` (``blocking``) and ``allreduce_async_``; only the async one is fused with
     its neighbours (a blocking call has nothing queued behind it to fuse with)."""
     _require_init(f"hvd.{what}")
     _check_reducible(_check_tensor(tensor, what))
     op = _resolve_op(average, op)
     return _named(name, lambda: _allreduce_start(tensor.detach(), op, prescale, postscale, Compression.none,
-                                                 process_set, tensor, name or "allreduce_", name, fusable=fusable,
-                                                 blocking=blocking))
+                                                 process_set, tensor, name or "allreduce_", name,
+                                                 fusable=not blocking, blocking=blocking))
 
 
 def _grouped_start(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float,
