@@ -203,6 +203,10 @@ DECLARED: Tuple[Setting, ...] = (
     Setting("stall_timeout", "seconds", 300.0, "seconds a collective may wait before the job is aborted "
             "with a report (0: off)", minimum=0, zero="switches the watchdog off"),
     _flag("check_collectives", True, "per-collective agreement check (shape, dtype, op, order); 0 for speed"),
+    _size("check_inband_bytes", 64 * KiB, 0, "where the agreement check goes through group rank 0 (across "
+          "nodes), an `auto` all-reduce up to this size sends its data with its check header and rank 0 returns "
+          "the result with its verdict: one round trip, no `MPI_Allreduce` (capped so that rank 0 gathers at most "
+          "1 MiB: group size x message); rank 0's value holds for the group; 0: never"),
     Setting("allreduce", "choice", "auto", "force an all-reduce algorithm: ring, native, shm, hierarchical",
             choices=("auto", "ring", "native", "shm", "hierarchical")),
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "

@@ -268,6 +268,115 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
+/* The agreement check through group rank 0 with a small all-reduce's data on it
+ * (hpctrain.comm.guard.agree_reducing): the same messages as the Python check, so that ranks
+ * running either interoperate. Every rank other than 0 sends its row (header, then its data)
+ * and receives rank 0's reply (verdict [0 agreed / 1 mismatch, 0] as two int64, then the
+ * result when agreed). Rank 0 receives a row of up to `row` bytes from each, compares the
+ * headers with its own, reduces the data in rank order (rank 0's, then 1's, ...: the same
+ * order as numpy's reduce over the rows) and replies.
+ *
+ * inband(comm, byte, rank, size, rows, reply, data, header_bytes, dtype, op, divisor,
+ *        tag_header, tag_verdict) -> 0 agreed (data holds the result), -1 the headers differ
+ *        (rank 0 sent the mismatch verdict; the caller sends the headers), or an MPI error code.
+ *   rows: rank 0, size rows of `row` bytes (row 0 holds its header); others, one row whose
+ *   first header_bytes hold the header. reply: 16 + len(data) bytes. data: this rank's data,
+ *   reduced in place. */
+typedef struct {
+    uintptr_t comm, byte;
+    int rank, size, dtype, op, tag_header, tag_verdict;
+    long divisor;
+    char *rows, *reply, *data;
+    Py_ssize_t row, header, n;  /* row stride, header bytes, data bytes */
+} Inband;
+
+/* An Isend's or Irecv's error code; its slot cleared when nothing was posted. */
+static int post(int err, Req *q) {
+    if (err) q->slot = 0;
+    return err;
+}
+
+static int inband_leaf(const Inband *b, Req *q) {
+    memcpy(b->rows + b->header, b->data, (size_t)b->n);
+    CHECK(post(mpi_irecv(b->reply, (int)(16 + b->n), b->byte, 0, b->tag_verdict, b->comm, &q[0]), &q[0]));
+    CHECK(post(mpi_isend(b->rows, (int)(b->header + b->n), b->byte, 0, b->tag_header, b->comm, &q[1]), &q[1]));
+    CHECK(wait_all(q, 2));
+    if (((int64_t *)b->reply)[0] != 0) return -1;
+    memcpy(b->data, b->reply + 16, (size_t)b->n);
+    return 0;
+}
+
+static int inband_root(const Inband *b, Req *q) {
+    int others = b->size - 1;
+    for (int r = 1; r <= others; r++)
+        CHECK(post(mpi_irecv(b->rows + r * b->row, (int)b->row, b->byte, r, b->tag_header, b->comm, &q[r - 1]),
+                   &q[r - 1]));
+    CHECK(wait_all(q, others));
+    int mismatch = 0;
+    for (int r = 1; r <= others && !mismatch; r++)
+        mismatch = memcmp(b->rows + r * b->row, b->rows, (size_t)b->header) != 0;
+    int64_t *verdict = (int64_t *)b->reply;
+    verdict[0] = mismatch;
+    verdict[1] = 0;
+    if (!mismatch) {
+        char *acc = b->reply + 16;
+        Py_ssize_t count = b->n / itemsize_of(b->dtype);
+        memcpy(acc, b->data, (size_t)b->n);
+        for (int r = 1; r <= others; r++) combine(acc, b->rows + r * b->row + b->header, count, b->dtype, b->op);
+        if (b->divisor > 1) divide(acc, count, b->dtype, b->divisor);
+        memcpy(b->data, acc, (size_t)b->n);
+    }
+    for (int r = 1; r <= others; r++)
+        CHECK(post(mpi_isend(b->reply, (int)(mismatch ? 16 : 16 + b->n), b->byte, r, b->tag_verdict, b->comm,
+                             &q[r - 1]), &q[r - 1]));
+    CHECK(wait_all(q, others));
+    return mismatch ? -1 : 0;
+}
+
+static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
+    unsigned long long comm, byte;
+    int rank, size, dtype, op, tag_header, tag_verdict;
+    long divisor;
+    Py_ssize_t header;
+    Py_buffer rows, reply, data;
+    if (!PyArg_ParseTuple(args, "KKiiw*w*w*niilii", &comm, &byte, &rank, &size, &rows, &reply, &data, &header,
+                          &dtype, &op, &divisor, &tag_header, &tag_verdict))
+        return NULL;
+    PyObject *result = NULL;
+    int item = itemsize_of(dtype);
+    Py_ssize_t row = rank == 0 && size > 0 ? rows.len / size : rows.len;
+    if (!mpi_isend || !mpi_irecv || !mpi_wait || !mpi_cancel) {
+        PyErr_SetString(PyExc_RuntimeError, "_mpiring.inband: call bind() with the MPI functions first");
+    } else if (!item || op < OP_SUM || op > OP_PROD || data.len % item) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.inband: unsupported dtype %d / op %d for %zd bytes", dtype, op,
+                     data.len);
+    } else if (size < 2 || rank < 0 || rank >= size) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.inband: rank %d of %d", rank, size);
+    } else if (header < 16 || row < header + data.len || reply.len < 16 + data.len || row > (1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.inband: rows of %zd bytes, a %zd-byte header, a reply of %zd "
+                     "bytes: too small for %zd bytes of data", row, header, reply.len, data.len);
+    } else {
+        Inband b = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag_header, tag_verdict,
+                    op == OP_AVG ? divisor : 0, rows.buf, reply.buf, data.buf, row, header, data.len};
+        Req *reqs = PyMem_RawCalloc((size_t)size, sizeof(Req));
+        if (!reqs) {
+            PyErr_NoMemory();
+        } else {
+            int err;
+            Py_BEGIN_ALLOW_THREADS
+            err = rank == 0 ? inband_root(&b, reqs) : inband_leaf(&b, reqs);
+            if (err > 0) cancel_all(reqs, size);
+            Py_END_ALLOW_THREADS
+            PyMem_RawFree(reqs);
+            result = PyLong_FromLong(err);
+        }
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&reply);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 /* bind(isend_address, irecv_address, wait_address, cancel_address): the MPI library's functions. */
 static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
     unsigned long long s, r, w, c;
@@ -287,6 +396,9 @@ static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS, "bind(isend_address, irecv_address, wait_address, cancel_address)"},
     {"allreduce", allreduce, METH_VARARGS,
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
+    {"inband", inband, METH_VARARGS,
+     "inband(comm, byte, rank, size, rows, reply, data, header_bytes, dtype_code, op_code, divisor, tag_header, "
+     "tag_verdict) -> 0 agreed, -1 headers differ, or an MPI error code"},
     {NULL, NULL, 0, NULL},
 };
 

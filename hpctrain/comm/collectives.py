@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import settings
-from . import algorithms, asyncq, device, guard, joining, plan, shmsync, tuning
+from . import algorithms, asyncq, device, guard, joining, mpiring, plan, shmsync, tuning
 from .buffers import DTYPE_CODES, Flat, check_op, finish_average, flatten, is_torch_tensor, rebuild
 from .device import accept_device_buffers, cuda_support  # noqa: F401 - public through hpctrain.comm
 from .adasum import grouped_adasum_  # noqa: F401 - public through hpctrain.comm
@@ -331,21 +331,47 @@ def _run_lean(g: Group, x: np.ndarray, op: str, lean: _Lean) -> bool:
     return True
 
 
-def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape, extra: int = 0) -> None:
+def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape, extra: int = 0,
+            inband: bool = False) -> None:
     """The native route (small all-reduces across nodes): MPI_Allreduce of ``x`` in place
     behind the agreement check, with little Python (across nodes with more ranks than cores
-    every microsecond here is on every rank's critical path, about threefold). ``shape``: what
-    the ranks agree on; ``extra``: a shared buffer's offset + 1 (the header's field)."""
+    every microsecond here is on every rank's critical path, about threefold). ``inband``
+    (``auto`` chose the route): up to ``g.inband`` bytes the data rides on the check and no
+    MPI_Allreduce runs (``guard.agree_reducing``). ``shape``: what the ranks agree on;
+    ``extra``: a shared buffer's offset + 1 (the header's field)."""
     dog = _world_state["watchdog"]
     word = guard.count_word(shape, x.size)
     if _CHECKS.on:
-        guard.agree(g, guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra), dog, shape)
+        key = (op, dtype_name, word, algo, extra, inband)
+        checked = g.routes.get(key) or _checked_native(g, x, key)
+        header = checked[0].copy()
+        if checked[1] != _NOT_INBAND:
+            guard.agree_reducing(g, header, x, op, dtype_name, dog, shape, checked[1])  # the data rides on the check
+            return
+        guard.agree(g, header, dog, shape)
     else:
         g.seq += 1
     what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
         guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, extra)) + f" on {g.name}"
     with dog.watch(what, _all_ranks(g)):
         algorithms.native_(g.comm, x, op, dtype_name)
+
+
+_NOT_INBAND = -1
+
+
+def _checked_native(g: Group, x: np.ndarray, key: tuple) -> tuple:
+    """What a checked native all-reduce of ``x`` (``key``: its op, dtype name, count word,
+    algorithm, header extra, whether auto chose it) sends, cached on ``g`` (building it costs
+    a few µs, a small all-reduce's budget): its header (sequence 0) and how its data rides on
+    the check (``guard.agree_reducing``'s ``code``; _NOT_INBAND: MPI_Allreduce after the check)."""
+    op, dtype_name, word, algo, extra, auto = key
+    code = _NOT_INBAND
+    if auto and x.nbytes <= g.inband and guard.inband_reducible(dtype_name, x.dtype, op):
+        code = mpiring.inband_code(dtype_name, op)
+    checked = (guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra), code)
+    _cache(g, key, checked)
+    return checked
 
 
 def _allreduce(x: Any, op: str, algorithm: str, g: Group, inplace: bool, shape=None) -> Any:
@@ -391,7 +417,7 @@ def _execute(g: Group, route: plan.Route, src, out, op: str, dtype_name: str, sh
     if out is not src and kind not in ("shm", "hierarchical"):
         np.copyto(out, src)
     if kind == "native":
-        _native(g, out, op, dtype_name, route.algorithm, shape, shared[1] + 1 if shared else 0)
+        _native(g, out, op, dtype_name, route.algorithm, shape, shared[1] + 1 if shared else 0, route.auto)
         return
     parts = out if isinstance(out, list) else [out]
     count = sum(a.size for a in parts)

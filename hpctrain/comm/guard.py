@@ -9,6 +9,11 @@ knows whose header has not arrived, the stall watchdog can name the ranks that n
 entered the collective. On one node with shared-memory flags the same check is one flag
 exchange (``shmsync.NodeFlags.agree``).
 
+A small all-reduce checked through rank 0 needs no collective of its own: its data rides
+on the header (``agree_reducing``), rank 0 reduces the rows in rank order and its verdict
+carries the result. One round trip instead of the check's and MPI_Allreduce's, and a
+mismatch is still found before any data is reduced.
+
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
 watchdog still catches stalls then, but cannot name the missing ranks as precisely.
 """
@@ -26,6 +31,11 @@ from .plan import ALGORITHMS
 
 _TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
 HEADER_LEN = 7
+HEADER_BYTES = 8 * HEADER_LEN
+_VERDICT_BYTES = 16  # [0 (agreed) or 1, rank 0's decision], int64
+# The most bytes rank 0 gathers for one in-band all-reduce (group size x message): above it the
+# reduction at rank 0 (linear in the ranks) costs more than the collective it saves.
+INBAND_GATHER_BYTES = 1024 * 1024
 
 
 class Checks:
@@ -215,82 +225,263 @@ def agree(group, header: np.ndarray, dog, shape=None, decision: int = 0) -> int:
         return 0
     if group.rank == 0:
         return _coordinate(group, header, dog, shape, decision, what)
+    from mpi4py import MPI
+
     comm = group.ctl_comm
-    comm.Send(header, dest=0, tag=_TAG_HEADER)
+    comm.Send([header, MPI.BYTE], dest=0, tag=_TAG_HEADER)  # bytes: rank 0's rows take in-band data too
     verdict = np.empty(2, dtype=np.int64)  # [0 (agreed) or 1, rank 0's decision]
-    with dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
-                   lambda: f"{group.describe_ranks([0])}, which coordinates the check (see its report)", grace=2.0):
-        comm.Recv(verdict, source=0, tag=_TAG_VERDICT)
-        if verdict[0] != 0:
-            headers = comm.recv(source=0, tag=_TAG_MESSAGE)
-    if verdict[0] != 0:
-        raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
+    _await_verdict(group, comm, [verdict, MPI.BYTE], verdict, dog, shape, what)
     return int(verdict[1])
+
+
+def _await_verdict(group, comm, buf, verdict: np.ndarray, dog, shape, what) -> None:
+    """A rank other than 0: receive rank 0's verdict into ``buf`` (whose first 16 bytes are
+    ``verdict``); raise the mismatch it reports."""
+    with _watch_verdict(group, dog, what):
+        comm.Recv(buf, source=0, tag=_TAG_VERDICT)
+    if verdict[0] != 0:
+        _mismatched(group, None, dog, shape, what)
+
+
+# numpy's reduction for each op; min and max propagate NaN as every other algorithm does
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+_INBAND_KINDS = "fiuc"
+
+
+def inband_limit(setting: int, size: int) -> int:
+    """The largest all-reduce (bytes) whose data rides on the agreement header for a group of
+    ``size`` ranks checked through rank 0: ``setting`` (HPCTRAIN_CHECK_INBAND_BYTES), bounded
+    so that rank 0 gathers at most INBAND_GATHER_BYTES, in whole 8-byte words (the rows' int64
+    headers stay aligned); 0 for one rank."""
+    if size < 2:
+        return 0
+    return min(setting, INBAND_GATHER_BYTES // size) // 8 * 8
+
+
+def inband_reducible(dtype_name: str, dtype: np.dtype, op: str) -> bool:
+    """Whether rank 0 reduces this dtype and op itself as MPI would (bfloat16, held as int16,
+    and bool, whose sum is a logical or, go through MPI)."""
+    return dtype.kind in _INBAND_KINDS and dtype_name not in ("bfloat16", "bool") and op in _UFUNCS
+
+
+def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray, size: int, dtype_name: str) -> None:
+    """Rank 0's in-band reduction: ``rows`` (one row per rank, in rank order) reduced into
+    ``out`` in rank order, so every rank gets the same bits; float16 adds and multiplies in
+    float32 (as MPI without float16 reductions does here); ``avg`` divides by ``size``."""
+    from .buffers import finish_average
+
+    ufunc = _UFUNCS[op]
+    with np.errstate(all="ignore"):  # overflow gives inf, as from MPI: no numpy warning
+        if rows.dtype == np.float16 and op in ("sum", "avg", "prod"):
+            np.copyto(out, ufunc.reduce(rows, axis=0, dtype=np.float32), casting="unsafe")
+        else:
+            ufunc.reduce(rows, axis=0, out=out)
+    if op == "avg":
+        finish_average(out, size, dtype_name)
+
+
+def agree_reducing(group, header: np.ndarray, x: np.ndarray, op: str, dtype_name: str, dog, shape=None,
+                   code: Optional[int] = None) -> None:
+    """``agree`` for a small all-reduce of ``x`` (contiguous, in place) checked through rank 0,
+    its data riding on the header: rank 0 checks the headers, reduces the rows and sends the
+    result with its verdict. Call only where ``agree`` goes through rank 0 with the check on
+    and ``x.nbytes <= group.inband`` (``inband_reducible``); a rank whose call differs sends a
+    plain header, which rank 0 finds mismatched before anything is reduced. Where the C
+    kernels take the dtype (``code``: ``mpiring.inband_code``), one call into C
+    (``mpiring.inband_``) does a rank's whole part; None: Python (rank 0 reduces with numpy)."""
+    group.seq += 1
+    header[0] = group.seq
+    what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report
+    flat = x.reshape(-1)
+    if code is None and group.rank == 0:
+        _coordinate(group, header, dog, shape, 0, what, flat, op, dtype_name)
+        return
+    io = _io(group)
+    headers = None  # rank 0, on a mismatch: every rank's header, sent to the others
+    try:
+        io.headers[0] = header
+        if code is None:
+            _send_row(group, io, flat, dog, shape, what)
+            return
+        mpiring = _mpiring()
+        if group.rank == 0:
+            headers = io.headers
+            headers[1:, 0] = _UNSET
+            with dog.watch(lambda: what() + " (agreement check)", lambda: _not_arrived(group, headers)):
+                agreed = mpiring.inband_(group.ctl_comm, 0, group.size, io.rows, io.reply, flat, HEADER_BYTES,
+                                         code, op, (_TAG_HEADER, _TAG_VERDICT))
+            headers = None if agreed else headers.copy()
+        else:
+            with _watch_verdict(group, dog, what):
+                agreed = mpiring.inband_(group.ctl_comm, group.rank, group.size, io.rows, io.reply, flat,
+                                         HEADER_BYTES, code, op, (_TAG_HEADER, _TAG_VERDICT))
+    finally:
+        io.busy = False
+    if not agreed:
+        _mismatched(group, headers, dog, shape, what)
+
+
+_MODULES: dict = {}
+
+
+def _mpiring():
+    """hpctrain.comm.mpiring, imported at the first in-band call (importing it loads MPI)."""
+    module = _MODULES.get("mpiring")
+    if module is None:
+        from . import mpiring as module
+
+        _MODULES["mpiring"] = module
+    return module
+
+
+def _send_row(group, io, flat: np.ndarray, dog, shape, what) -> None:
+    """A rank other than 0, in Python: send the header (in ``io``'s row 0) and ``flat``'s data,
+    receive the verdict and the result into ``flat``."""
+    from mpi4py import MPI
+
+    n = flat.nbytes
+    io.rows[0, HEADER_BYTES:HEADER_BYTES + n] = flat.view(np.uint8)
+    comm = group.ctl_comm
+    comm.Send([io.rows[0], HEADER_BYTES + n, MPI.BYTE], dest=0, tag=_TAG_HEADER)
+    _await_verdict(group, comm, [io.reply, _VERDICT_BYTES + n, MPI.BYTE], io.verdict, dog, shape, what)
+    flat.view(np.uint8)[:] = io.reply[_VERDICT_BYTES:_VERDICT_BYTES + n]
+
+
+def _watch_verdict(group, dog, what):
+    return dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
+                     lambda: f"{group.describe_ranks([0])}, which coordinates the check (see its report)", grace=2.0)
+
+
+def _not_arrived(group, headers: np.ndarray) -> str:
+    """The ranks whose header row rank 0 still waits for (read by the watchdog's thread while
+    MPI fills the rows: a report only)."""
+    return group.describe_ranks([r for r in range(1, group.size) if headers[r, 0] == _UNSET])
+
+
+def _mismatched(group, headers: Optional[np.ndarray], dog, shape, what) -> None:
+    """After a mismatch verdict: rank 0 sends every rank the ``headers`` (the others receive
+    them: None here); every rank raises the same error."""
+    comm = group.ctl_comm
+    if group.rank == 0:
+        for r in range(1, group.size):
+            comm.send(headers, dest=r, tag=_TAG_MESSAGE)
+    else:
+        with _watch_verdict(group, dog, what):
+            headers = comm.recv(source=0, tag=_TAG_MESSAGE)
+    raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
 
 
 _UNSET = -1  # a header row's sequence word until that rank's header arrives (sequences start at 1)
 
 
 class CheckIO:
-    """Group rank 0's side of the agreement check over MPI, made once per group: the headers'
-    rows and persistent receives (one per other rank), the verdict and persistent sends. A
-    small checked all-reduce across nodes waits for rank 0's Python between the headers and
-    the verdict, on every rank: here that Python is a few calls. ``busy``: in use (a second
-    thread's check on the same group gets a private one)."""
+    """One rank's buffers for the agreement check over MPI, made once per group. Group rank 0:
+    a row per rank (header, then up to ``inband`` bytes of in-band data) with a persistent
+    receive from each other rank, the reply (verdict, then an in-band result) with persistent
+    sends of the verdict and, per in-band size, of verdict and result. Another rank: row 0 and
+    the reply, to send and receive in-band calls. A small checked all-reduce across nodes
+    waits for rank 0's Python between the headers and the verdict, on every rank: here that
+    Python is a few calls. ``busy``: in use (a second thread's check on the same group gets a
+    private one)."""
 
-    __slots__ = ("headers", "verdict", "recvs", "sends", "busy")
+    __slots__ = ("comm", "rows", "headers", "reply", "verdict", "recvs", "sends", "replies", "busy")
 
-    def __init__(self, comm, size: int) -> None:
-        self.headers = np.empty((size, HEADER_LEN), dtype=np.int64)
-        self.verdict = np.zeros(2, dtype=np.int64)
-        self.recvs = [comm.Recv_init(self.headers[r], source=r, tag=_TAG_HEADER) for r in range(1, size)]
-        self.sends = [comm.Send_init(self.verdict, dest=r, tag=_TAG_VERDICT) for r in range(1, size)]
+    _REPLY_SIZES = 64  # in-band sizes with persistent sends kept (a program uses few)
+
+    def __init__(self, comm, size: int, inband: int, root: bool) -> None:
+        from mpi4py import MPI
+
+        self.comm = comm
+        self.rows = np.empty((size if root else 1, HEADER_BYTES + inband), dtype=np.uint8)
+        self.headers = self.rows[:, :HEADER_BYTES].view(np.int64)
+        self.reply = np.zeros(_VERDICT_BYTES + inband, dtype=np.uint8)
+        self.verdict = self.reply[:_VERDICT_BYTES].view(np.int64)
+        self.recvs = [comm.Recv_init([self.rows[r], MPI.BYTE], source=r, tag=_TAG_HEADER)
+                      for r in range(1, size)] if root else []
+        self.sends = self._sends(_VERDICT_BYTES) if root else []
+        self.replies: Dict[int, list] = {}
         self.busy = False
 
+    def _sends(self, nbytes: int) -> list:
+        from mpi4py import MPI
+
+        return [self.comm.Send_init([self.reply, nbytes, MPI.BYTE], dest=r, tag=_TAG_VERDICT)
+                for r in range(1, len(self.rows))]
+
+    def reply_sends(self, nbytes: int) -> list:
+        """Persistent sends of the verdict and ``nbytes`` of result, to every other rank."""
+        sends = self.replies.get(nbytes)
+        if sends is None:
+            if len(self.replies) >= self._REPLY_SIZES:
+                self._free(r for rs in self.replies.values() for r in rs)
+                self.replies.clear()
+            sends = self.replies[nbytes] = self._sends(_VERDICT_BYTES + nbytes)
+        return sends
+
     def free(self) -> None:
-        for request in self.recvs + self.sends:
+        self._free(self.recvs + self.sends + [r for rs in self.replies.values() for r in rs])
+        self.recvs, self.sends, self.replies = [], [], {}
+
+    @staticmethod
+    def _free(requests) -> None:
+        for request in requests:
             try:
                 request.Free()
             except Exception:  # its communicator already revoked (elastic jobs)
                 pass
-        self.recvs, self.sends = [], []
 
 
-def _coordinate(group, header: np.ndarray, dog, shape, decision: int, what) -> int:
-    """Rank 0's part of ``agree`` over MPI: every header in, one verdict out (with
-    ``decision``); a mismatch also sends every rank the headers, then raises."""
-    from mpi4py import MPI
-
+def _io(group) -> CheckIO:
+    """The group's CheckIO, marked busy (a private one if another thread holds it)."""
     io = group.check_io
     if io is None or io.busy:
-        io = CheckIO(group.ctl_comm, group.size)
+        io = CheckIO(group.ctl_comm, group.size, group.inband, group.rank == 0)
         if group.check_io is None:
             group.check_io = io
     io.busy = True
+    return io
+
+
+def _coordinate(group, header: np.ndarray, dog, shape, decision: int, what, flat: Optional[np.ndarray] = None,
+                op: str = "", dtype_name: str = "") -> int:
+    """Rank 0's part of ``agree`` over MPI: every header in, one verdict out (with
+    ``decision``); a mismatch also sends every rank the headers, then raises. With ``flat``
+    (``agree_reducing``): the rows' in-band data reduced into ``flat`` and sent with the verdict."""
+    from mpi4py import MPI
+
+    io = _io(group)
     try:
         headers = io.headers
         headers[0] = header
         headers[1:, 0] = _UNSET
-
-        def missing() -> str:  # read by the watchdog's thread while MPI fills the rows: a report only
-            return group.describe_ranks([r for r in range(1, group.size) if headers[r, 0] == _UNSET])
-
         MPI.Prequest.Startall(io.recvs)
-        with dog.watch(lambda: what() + " (agreement check)", missing):
+        with dog.watch(lambda: what() + " (agreement check)", lambda: _not_arrived(group, headers)):
             MPI.Request.Waitall(io.recvs)
         ok = not (headers != headers[0]).any()
         io.verdict[0], io.verdict[1] = (0, decision) if ok else (1, 0)
-        MPI.Prequest.Startall(io.sends)
-        MPI.Request.Waitall(io.sends)
+        sends = io.sends
+        if ok and flat is not None:
+            sends = io.reply_sends(_reduce_inband(io, flat, op, dtype_name, group.size))
+        MPI.Prequest.Startall(sends)
+        MPI.Request.Waitall(sends)
         if ok:
             return decision
         headers = headers.copy()
     finally:
         io.busy = False
-    comm = group.ctl_comm
-    for r in range(1, group.size):
-        comm.send(headers, dest=r, tag=_TAG_MESSAGE)
-    raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
+    _mismatched(group, headers, dog, shape, what)
+
+
+def _reduce_inband(io: CheckIO, flat: np.ndarray, op: str, dtype_name: str, size: int) -> int:
+    """Rank 0: its own ``flat`` into row 0, every row's data reduced into the reply and back
+    into ``flat``; returns the bytes of the result."""
+    n = flat.nbytes
+    data = io.rows[:, HEADER_BYTES:HEADER_BYTES + n]
+    data[0] = flat.view(np.uint8)
+    result = io.reply[_VERDICT_BYTES:_VERDICT_BYTES + n].view(flat.dtype)
+    reduce_rows(data.view(flat.dtype), op, result, size, dtype_name)
+    np.copyto(flat, result)
+    return n
 
 
 def plain_shape(shape):

@@ -114,6 +114,35 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
                         "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")
 
 
+_BYTE = MPI.BYTE.handle
+
+
+def inband_code(dtype_name: str, op: str):
+    """The kernels' dtype code when ``inband_`` can reduce ``dtype_name`` with ``op`` here, else
+    None (the agreement check's Python then carries the data; the messages are the same)."""
+    code = kernel_dtype_code(dtype_name)
+    return code if code is not None and op in OP_CODES and available() else None
+
+
+def inband_(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, data: np.ndarray, header_bytes: int,
+            dtype_code: int, op: str, tags: Tuple[int, int]) -> bool:
+    """The agreement check through rank 0 with ``data`` on it, in C (``guard.agree_reducing``):
+    True when the headers agreed (``data`` reduced in place), False when they differ (rank 0
+    sent the mismatch verdict)."""
+    err = _mpiring.inband(comm.handle, _BYTE, rank, size, rows, reply, data, header_bytes, dtype_code,
+                          OP_CODES[op], size, tags[0], tags[1])
+    if err > 0:
+        _failed(err, "the agreement check (with a small all-reduce's data)")
+    return err == 0
+
+
+def _failed(err: int, what: str) -> None:
+    if MPI.Get_error_class(err) in faults.failure_classes():  # elastic jobs: a lost peer, not a bug
+        raise MPI.Exception(err)  # the watched wait around the call makes it RanksLostError
+    raise CommError(f"{what} failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
+                    "HINT: if it works with HPCTRAIN_RING_C=0 (Python instead of C), report it")
+
+
 def scratch_elements(length: int, size: int, itemsize: int) -> int:
     """Scratch the C ring needs for ``length`` elements over ``size`` ranks: ``SLOTS``
     segments, each at most one chunk."""

@@ -6,7 +6,7 @@ process can build every rank's view in a unit test.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Dict, List, Sequence, Tuple
 
@@ -332,11 +332,13 @@ ROUTE_KINDS = ("local", "flags", "tuned", "piped", "zero-copy", "shm", "hierarch
 @dataclass(frozen=True)
 class Route:
     """The path one all-reduce takes; ``algorithm``: the name its agreement header carries
-    ("auto" for a run-time choice), the same on every rank that takes this route."""
+    ("auto" for a run-time choice), the same on every rank that takes this route; ``auto``:
+    ``auto`` chose it (a requested algorithm runs as asked: no in-band native route)."""
 
     kind: str
     algorithm: str
     candidates: Tuple[str, ...] = ()
+    auto: bool = field(default=False, compare=False)  # how it was chosen, not where it goes
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTE_KINDS:
@@ -372,4 +374,4 @@ def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: b
             return Route("zero-copy", algo)
         if algo == "shm" and pipes:
             return Route("piped", "shm")
-    return Route(algo, algo)
+    return Route(algo, algo, auto=requested == "auto")

@@ -65,7 +65,8 @@ class Group:
         # Whether auto tunes at run time across nodes (HPCTRAIN_AUTOTUNE) is agreed here too.
         from . import tuning
 
-        mine = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes, tuning.enabled())
+        mine = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes, tuning.enabled(),
+                settings.rc.check_inband_bytes)
         facts = mpi_comm.allgather((leader, mine))
         self.topology: Topology = topology_from_keys([f[0] for f in facts])
         self.cross_node = tuple(facts[0][1][:2])
@@ -87,6 +88,10 @@ class Group:
 
         self.node_flags = NodeFlags.create(self.node_comm)
         self.small_shm = self.node_flags.small_bytes if self.node_flags and self.topology.single_node else 0
+        # Largest all-reduce whose data rides on the agreement check through rank 0 (none where
+        # the check is a flag exchange); from rank 0's HPCTRAIN_CHECK_INBAND_BYTES, agreed above:
+        # ranks with different limits would send a call's data in different messages.
+        self.inband = 0 if self.small_shm else guard.inband_limit(facts[0][1][3], self.size)
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         # auto's run-time choice (collectives._tuned_allreduce_). On one node: on when every rank

@@ -1,12 +1,14 @@
 """The agreement check where it goes through MPI messages (across nodes, or here: one node
 without the shared-memory flags): every kind of mismatch is an error on every rank with the
 same headers, the group usable afterwards, and Horovod's join works with rank 0 (the check's
-coordinator) or another rank joined."""
+coordinator) or another rank joined. Small ``auto`` all-reduces carry their data on the check
+(no MPI_Allreduce), with the results MPI gives."""
 import numpy as np
 import pytest
+import torch
 
 from hpctrain import comm
-from hpctrain.comm import guard
+from hpctrain.comm import algorithms, guard
 
 RANKS = ()  # only without the flags (below): with them the check is a flag exchange
 VARIANTS = {"noflags": {"HPCTRAIN_SHM_FLAGS": "0"}}
@@ -67,3 +69,101 @@ def test_a_joined_rank_stands_in_with_zeros(joined):
     assert WORLD.joined == [j]
     assert comm.join() != j
     assert not WORLD.joined
+
+
+@pytest.fixture
+def mpi_allreduces(monkeypatch):
+    """The MPI_Allreduce calls (algorithms.native_) made while the test runs: their sizes."""
+    calls = []
+    real = algorithms.native_
+
+    def count(comm_, arr, op, dtype_name):
+        calls.append(arr.nbytes)
+        return real(comm_, arr, op, dtype_name)
+
+    monkeypatch.setattr(algorithms, "native_", count)
+    return calls
+
+
+def rank_data(length, dtype, rank):
+    x = np.arange(length) % 5 + rank + 1.0
+    if length:
+        x[-1] = -(rank + 2.0)  # negatives: min and max differ from first and last rank
+    return x.astype(dtype)
+
+
+CASES = [(dtype, op) for dtype in ("float32", "float64", "float16", "int8", "int32", "int64", "complex64")
+         for op in ("sum", "avg", "min", "max", "prod")
+         if not (dtype == "complex64" and op in ("min", "max"))]  # refused for complex on every path
+
+
+@pytest.mark.parametrize("dtype,op", CASES)
+def test_small_calls_ride_on_the_check_with_mpis_results(dtype, op, mpi_allreduces):
+    length = WORLD.inband // np.dtype(dtype).itemsize
+    assert length > 0
+    for n in (1, 7, length):
+        x = rank_data(n, dtype, R)
+        got = comm.allreduce(x, op=op)
+        want = rank_data(n, dtype, R)
+        algorithms.native_(WORLD.comm, want, op, np.dtype(dtype).name)  # MPI_Allreduce itself
+        if np.dtype(dtype).kind == "f" and op in ("avg", "prod"):
+            np.testing.assert_allclose(got, want, rtol=2e-3)
+        else:
+            np.testing.assert_array_equal(got, want)
+        every = comm.allgather_object(got.tobytes())  # rank 0 reduced once: the same bits everywhere
+        assert every.count(every[0]) == N
+    assert mpi_allreduces == [x.nbytes for x in (rank_data(n, dtype, 0) for n in (1, 7, length))]  # ours only
+
+
+def test_nan_in_min_and_max_on_the_check_as_everywhere(mpi_allreduces):
+    x = np.arange(6, dtype=np.float32) + R
+    x[2] = np.nan if R == N - 1 else x[2]
+    for op in ("min", "max"):
+        got = comm.allreduce(x, op=op)
+        assert np.isnan(got[2]) and not np.isnan(np.delete(got, 2)).any()
+    assert mpi_allreduces == []
+
+
+def test_above_the_limit_a_requested_algorithm_or_bfloat16_mpi_allreduce_runs(mpi_allreduces):
+    limit = WORLD.inband
+    comm.allreduce(np.ones(limit // 4 + 1, dtype=np.float32))
+    comm.allreduce(np.ones(8, dtype=np.float32), algorithm="native")
+    comm.allreduce(torch.ones(8, dtype=torch.bfloat16))
+    assert mpi_allreduces == [limit + 4, 32, 16]  # bfloat16 reduced by MPI in float32
+    comm.allreduce(np.ones(8, dtype=np.float32))
+    assert len(mpi_allreduces) == 3
+
+
+def test_a_call_on_the_check_against_a_larger_one_or_a_blocking_tensor():
+    limit = WORLD.inband
+    with pytest.raises(comm.CollectiveMismatchError) as info:  # rank 0 sends data, the others do not
+        comm.allreduce(np.ones(8 if R == 0 else limit // 4 + 1, dtype=np.float32))
+    assert "ranks 0 called allreduce(sum, float32, 8 elements" in str(info.value)
+    assert f"{limit // 4 + 1} elements" in str(info.value)
+    with pytest.raises(comm.CollectiveMismatchError):  # the last rank's data is larger than the rest
+        comm.allreduce(np.ones(limit // 8 + (limit // 4 if R == N - 1 else 0), dtype=np.float32))
+    t = torch.full((3, 4), R + 1.0)
+    comm.allreduce_(t if R % 2 else t.numpy())  # a tensor and a numpy array: the same call
+    assert t.eq(N * (N + 1) / 2).all()
+
+
+@pytest.mark.parametrize("python_on", [0, "last"])
+def test_ranks_in_c_and_in_python_interoperate(python_on, monkeypatch):
+    """The C in-band call and the Python one exchange the same messages: a rank without the C
+    path (here rank 0, which reduces, or the last rank) takes part in the same call."""
+    from hpctrain.comm import mpiring
+
+    p = 0 if python_on == 0 else N - 1
+    monkeypatch.setattr(mpiring, "ENABLED", R != p)
+    g = comm.new_group(list(range(N)))  # its own cache of how calls ride on the check
+    try:
+        for dtype in ("float32", "int64"):
+            got = comm.allreduce(rank_data(9, dtype, R), op="max", group=g)
+            np.testing.assert_array_equal(got, np.max([rank_data(9, dtype, r) for r in range(N)], axis=0))
+        mismatch = r"ranks 1 \(world rank 1\) called allreduce\(sum, float32, 5 elements"
+        with pytest.raises(comm.CollectiveMismatchError, match=mismatch):
+            comm.allreduce(np.ones(5 if R == 1 else 4, dtype=np.float32), group=g)
+        got = comm.allreduce(np.full(3, R, dtype=np.float64), op="avg", group=g)
+        np.testing.assert_array_equal(got, np.full(3, (N - 1) / 2))
+    finally:
+        g.free()
