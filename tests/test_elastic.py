@@ -95,6 +95,20 @@ def test_a_rank_killed_at_a_random_step_and_the_survivors_finish_exactly(tmp_pat
     check_exact_recovery(tmp_path, tmp_path / "run", result, 2, [victim], 1, fresh_reference=fresh)
 
 
+def test_a_rank_lost_while_small_all_reduces_ride_on_the_check_through_rank_0(tmp_path):
+    """Without the shared-memory flags (as across nodes) small all-reduces carry their data on
+    the agreement check through rank 0, in C: a lost rank (rank 0 itself, or another) still
+    becomes a reset the survivors recover from exactly."""
+    if not _ft_available():
+        pytest.skip("mpi4py without the ULFM extension")
+    rng = random.Random()
+    victim, step = rng.choice([0, 2]), rng.randrange(1, STEPS - 2)
+    result = launch_elastic(tmp_path / "run", 3, f"{victim}:{step}", "allreduce",
+                            env={"HPCTRAIN_SHM_FLAGS": "0"})
+    print(f"killed launched rank {victim} at step {step}")
+    check_exact_recovery(tmp_path, tmp_path / "run", result, 2, [victim], 1)
+
+
 def test_two_ranks_lost_one_after_the_other(tmp_path):
     if not _ft_available():
         pytest.skip("mpi4py without the ULFM extension")
