@@ -222,7 +222,9 @@ DECLARED: Tuple[Setting, ...] = (
           "`auto`'s fixed choice is the hierarchical path from this size (shared-memory reduction on each node, a "
           "ring across nodes)"),
     _flag("ring_c", True, "the ring all-reduce in C (`hpctrain/comm/_mpiring.c`, over the MPI library mpi4py "
-          "loaded; agreed across the ranks of a communicator the first time the ring runs on it); 0: the Python ring"),
+          "loaded; agreed across the ranks of a communicator the first time the ring runs on it), and in C each "
+          "rank's part of a small all-reduce carried on the agreement check (HPCTRAIN_CHECK_INBAND_BYTES; the same "
+          "messages as the Python one); 0: Python for both"),
     _size("ring_segment_bytes", None, KiB, "ring pipelining segment; 4 segments at a time arrive in cache-sized "
           "scratch slots", shown="512 KiB (C ring), 1 MiB (Python ring)"),
     _flag("shm_flags", True, "on one node, synchronise through shared-memory flags (small all-reduces, agreement "
