@@ -419,3 +419,14 @@ def test_the_extension_loads_whichever_module_is_imported_first():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("dtype,ranks", [("int8", 200), ("uint8", 256), ("int16", 40000)])
+def test_an_average_over_more_ranks_than_the_dtype_holds(dtype, ranks):
+    """The divisor is the rank count, not a value of the dtype: 200 ranks averaging int8 (or
+    256 averaging uint8, where the count as the dtype would be 0) still divide by the count."""
+    info = np.iinfo(dtype)
+    data = np.array([info.max, info.min, -7 if info.min < 0 else 7, 0], dtype=dtype)
+    out = data.copy()
+    shmsync.reduce_to_all([out], [data], data.size, DTYPE_CODES[dtype], "avg", ranks, False)
+    np.testing.assert_array_equal(out, np.trunc(data.astype(np.float64) / ranks).astype(dtype))
