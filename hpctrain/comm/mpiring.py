@@ -58,7 +58,9 @@ def _bind() -> bool:
     """Hand the MPI functions to the extension (once). False when they cannot be found."""
     if "ok" not in _bound:
         ok = False
-        if _mpiring is not None:
+        if _mpiring is not None and not hasattr(MPI.BYTE, "handle"):  # mpi4py before 3.1: no integer handles
+            log.debug("C ring unavailable: this mpi4py gives no integer MPI handles (Datatype.handle)")
+        elif _mpiring is not None:
             try:
                 lib = ctypes.CDLL(MPI.__file__)  # already loaded; its lookups reach libmpi
                 address = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
@@ -114,9 +116,6 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
                         "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")
 
 
-_BYTE = MPI.BYTE.handle
-
-
 def inband_code(dtype_name: str, op: str):
     """The kernels' dtype code when ``inband_`` can reduce ``dtype_name`` with ``op`` here, else
     None (the agreement check's Python then carries the data; the messages are the same)."""
@@ -129,7 +128,7 @@ def inband_(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, dat
     """The agreement check through rank 0 with ``data`` on it, in C (``guard.agree_reducing``):
     True when the headers agreed (``data`` reduced in place), False when they differ (rank 0
     sent the mismatch verdict)."""
-    err = _mpiring.inband(comm.handle, _BYTE, rank, size, rows, reply, data, header_bytes, dtype_code,
+    err = _mpiring.inband(comm.handle, MPI.BYTE.handle, rank, size, rows, reply, data, header_bytes, dtype_code,
                           OP_CODES[op], size, tags[0], tags[1])
     if err > 0:
         _failed(err, "the agreement check (with a small all-reduce's data)")
