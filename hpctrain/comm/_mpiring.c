@@ -276,12 +276,13 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  * headers with its own, reduces the data in rank order (rank 0's, then 1's, ...: the same
  * order as numpy's reduce over the rows) and replies.
  *
- * inband(comm, byte, rank, size, rows, reply, data, header_bytes, dtype, op, divisor,
+ * inband(comm, byte, rank, size, rows, reply, data, header, seq, dtype, op, divisor,
  *        tag_header, tag_verdict) -> 0 agreed (data holds the result), -1 the headers differ
  *        (rank 0 sent the mismatch verdict; the caller sends the headers), or an MPI error code.
- *   rows: rank 0, size rows of `row` bytes (row 0 holds its header); others, one row whose
- *   first header_bytes hold the header. reply: 16 + len(data) bytes. data: this rank's data,
- *   reduced in place. */
+ *   rows: rank 0, size rows of `row` bytes; others, one row. Row 0 gets `header` with its
+ *   first int64 set to `seq`; on rank 0 the other rows' first int64 is set to -1 until that
+ *   rank's row arrives (what the stall watchdog reads to name the missing ranks). reply:
+ *   16 + len(data) bytes. data: this rank's data, reduced in place. */
 typedef struct {
     uintptr_t comm, byte;
     int rank, size, dtype, op, tag_header, tag_verdict;
@@ -337,11 +338,12 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     unsigned long long comm, byte;
     int rank, size, dtype, op, tag_header, tag_verdict;
     long divisor;
-    Py_ssize_t header;
-    Py_buffer rows, reply, data;
-    if (!PyArg_ParseTuple(args, "KKiiw*w*w*niilii", &comm, &byte, &rank, &size, &rows, &reply, &data, &header,
-                          &dtype, &op, &divisor, &tag_header, &tag_verdict))
+    long long seq;
+    Py_buffer rows, reply, data, head;
+    if (!PyArg_ParseTuple(args, "KKiiw*w*w*y*Liilii", &comm, &byte, &rank, &size, &rows, &reply, &data, &head,
+                          &seq, &dtype, &op, &divisor, &tag_header, &tag_verdict))
         return NULL;
+    Py_ssize_t header = head.len;
     PyObject *result = NULL;
     int item = itemsize_of(dtype);
     Py_ssize_t row = rank == 0 && size > 0 ? rows.len / size : rows.len;
@@ -358,6 +360,10 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     } else {
         Inband b = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag_header, tag_verdict,
                     op == OP_AVG ? divisor : 0, rows.buf, reply.buf, data.buf, row, header, data.len};
+        int64_t word = (int64_t)seq, unset = -1;
+        memcpy(b.rows, head.buf, (size_t)header);
+        memcpy(b.rows, &word, sizeof word);
+        for (int r = 1; rank == 0 && r < size; r++) memcpy(b.rows + r * row, &unset, sizeof unset);
         Req *reqs = PyMem_RawCalloc((size_t)size, sizeof(Req));
         if (!reqs) {
             PyErr_NoMemory();
@@ -374,6 +380,7 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     PyBuffer_Release(&rows);
     PyBuffer_Release(&reply);
     PyBuffer_Release(&data);
+    PyBuffer_Release(&head);
     return result;
 }
 
@@ -397,7 +404,7 @@ static PyMethodDef module_methods[] = {
     {"allreduce", allreduce, METH_VARARGS,
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
     {"inband", inband, METH_VARARGS,
-     "inband(comm, byte, rank, size, rows, reply, data, header_bytes, dtype_code, op_code, divisor, tag_header, "
+     "inband(comm, byte, rank, size, rows, reply, data, header, seq, dtype_code, op_code, divisor, tag_header, "
      "tag_verdict) -> 0 agreed, -1 headers differ, or an MPI error code"},
     {NULL, NULL, 0, NULL},
 };

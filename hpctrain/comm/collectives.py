@@ -184,6 +184,12 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
                 if status > 0:
                     _exchange_failed(g, x, op, status, dog)
                     return x
+            elif lean.inband is not None and _CHECKS.on and x.ndim == 1 and not g.shared_buffers and (
+                    x.flags.c_contiguous and x.flags.writeable):  # the data rides on the check, in C
+                template, code, packed = lean.inband
+                guard.agree_reducing(g, template, x, op, lean.dtype_name, _world_state["watchdog"], x.shape, code,
+                                     packed)
+                return x
             elif lean.route is not None and _run_lean(g, x, op, lean):
                 return x
             return _allreduce(x, op, algorithm, g, inplace=True)
@@ -293,7 +299,7 @@ class _Lean:
     exchange whatever buffer holds the data (run inline by ``allreduce_``), the header's
     reduction index, the kernels' dtype and op codes."""
 
-    __slots__ = ("route", "flags", "red", "code", "kop", "dtype_name", "header")
+    __slots__ = ("route", "flags", "red", "code", "kop", "dtype_name", "header", "inband")
 
     def __init__(self, route: Optional[plan.Route], flags: bool = False, red: int = 0, code: int = 0,
                  kop: int = 0, dtype_name: str = "", count: int = 0) -> None:
@@ -301,6 +307,9 @@ class _Lean:
             route, flags, red, code, kop, dtype_name)
         # the flag exchange's header for a 1-D array of ``count`` elements, sequence number 0
         self.header = _PACK(0, _ALLREDUCE, red, code, count, _SHM, 0, 0) if flags else None
+        # a native route whose data rides on the check in C (_checked_native's entry for a
+        # 1-D array, set by _lean), else None
+        self.inband: Optional[tuple] = None
 
 
 _GENERAL = _Lean(None)
@@ -317,7 +326,12 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
         route = _route(g, nbytes, name, "auto", False)
         if route.kind in _LEAN_KINDS:
             anywhere = route.kind == "flags" and _route(g, nbytes, name, "auto", True) == route
-            entry = _Lean(route, anywhere, _HEADER_OP[op], code, _KERNEL_OP[op], name, nbytes // dtype.itemsize)
+            count = nbytes // dtype.itemsize
+            entry = _Lean(route, anywhere, _HEADER_OP[op], code, _KERNEL_OP[op], name, count)
+            if route.kind == "native":
+                checked = _checked_native(g, np.empty(0, dtype), (op, name, count, route.algorithm, 0, route.auto),
+                                          nbytes)
+                entry.inband = checked if checked[1] not in (_NOT_INBAND, None) else None
     _cache(g, (nbytes, dtype, op), entry)
     return entry
 
@@ -344,11 +358,10 @@ def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape,
     if _CHECKS.on:
         key = (op, dtype_name, word, algo, extra, inband)
         checked = g.routes.get(key) or _checked_native(g, x, key)
-        header = checked[0].copy()
-        if checked[1] != _NOT_INBAND:
-            guard.agree_reducing(g, header, x, op, dtype_name, dog, shape, checked[1])  # the data rides on the check
+        if checked[1] != _NOT_INBAND:  # the data rides on the check
+            guard.agree_reducing(g, checked[0], x, op, dtype_name, dog, shape, checked[1], checked[2])
             return
-        guard.agree(g, header, dog, shape)
+        guard.agree(g, checked[0].copy(), dog, shape)
     else:
         g.seq += 1
     what = lambda: guard.describe_header(  # noqa: E731 - built only for a stall report
@@ -360,16 +373,19 @@ def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape,
 _NOT_INBAND = -1
 
 
-def _checked_native(g: Group, x: np.ndarray, key: tuple) -> tuple:
+def _checked_native(g: Group, x: np.ndarray, key: tuple, nbytes: Optional[int] = None) -> tuple:
     """What a checked native all-reduce of ``x`` (``key``: its op, dtype name, count word,
     algorithm, header extra, whether auto chose it) sends, cached on ``g`` (building it costs
-    a few µs, a small all-reduce's budget): its header (sequence 0) and how its data rides on
-    the check (``guard.agree_reducing``'s ``code``; _NOT_INBAND: MPI_Allreduce after the check)."""
+    a few µs, a small all-reduce's budget): its header (sequence 0), how its data rides on
+    the check (``guard.agree_reducing``'s ``code``; _NOT_INBAND: MPI_Allreduce after the check)
+    and the header packed (what the C call copies). ``nbytes``: the call's size, when ``x`` is
+    only a stand-in of its dtype."""
     op, dtype_name, word, algo, extra, auto = key
     code = _NOT_INBAND
-    if auto and x.nbytes <= g.inband and guard.inband_reducible(dtype_name, x.dtype, op):
+    if auto and (x.nbytes if nbytes is None else nbytes) <= g.inband and guard.inband_reducible(dtype_name, x.dtype, op):
         code = mpiring.inband_code(dtype_name, op)
-    checked = (guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra), code)
+    header = guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra)
+    checked = (header, code, header.tobytes())
     _cache(g, key, checked)
     return checked
 

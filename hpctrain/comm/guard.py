@@ -280,45 +280,63 @@ def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray, size: int, dtype_nam
         finish_average(out, size, dtype_name)
 
 
-def agree_reducing(group, header: np.ndarray, x: np.ndarray, op: str, dtype_name: str, dog, shape=None,
-                   code: Optional[int] = None) -> None:
+def agree_reducing(group, template: np.ndarray, x: np.ndarray, op: str, dtype_name: str, dog, shape=None,
+                   code: Optional[int] = None, packed: bytes = b"") -> None:
     """``agree`` for a small all-reduce of ``x`` (contiguous, in place) checked through rank 0,
     its data riding on the header: rank 0 checks the headers, reduces the rows and sends the
     result with its verdict. Call only where ``agree`` goes through rank 0 with the check on
     and ``x.nbytes <= group.inband`` (``inband_reducible``); a rank whose call differs sends a
-    plain header, which rank 0 finds mismatched before anything is reduced. Where the C
-    kernels take the dtype (``code``: ``mpiring.inband_code``), one call into C
-    (``mpiring.inband_``) does a rank's whole part; None: Python (rank 0 reduces with numpy)."""
+    plain header, which rank 0 finds mismatched before anything is reduced. ``template``:
+    the header with sequence 0 (not changed; ``packed``: its bytes). Where the C kernels take
+    the dtype (``code``: ``mpiring.inband_code``), one call into C (``mpiring.inband_``) does
+    a rank's whole part, header included; None: Python (rank 0 reduces with numpy)."""
     group.seq += 1
-    header[0] = group.seq
-    what = lambda: describe_header(header) + f" on {group.name}"  # noqa: E731 - only for a stall report
-    flat = x.reshape(-1)
-    if code is None and group.rank == 0:
-        _coordinate(group, header, dog, shape, 0, what, flat, op, dtype_name)
+    seq = group.seq
+    what = lambda: describe_header(_sequenced(template, seq)) + f" on {group.name}"  # noqa: E731 - stall report
+    if code is None:
+        _agree_reducing_in_python(group, _sequenced(template, seq), x.reshape(-1), op, dtype_name, dog, shape, what)
         return
     io = _io(group)
     headers = None  # rank 0, on a mismatch: every rank's header, sent to the others
     try:
-        io.headers[0] = header
-        if code is None:
-            _send_row(group, io, flat, dog, shape, what)
-            return
-        mpiring = _mpiring()
+        inband = _mpiring().inband_
         if group.rank == 0:
             headers = io.headers
-            headers[1:, 0] = _UNSET
             with dog.watch(lambda: what() + " (agreement check)", lambda: _not_arrived(group, headers)):
-                agreed = mpiring.inband_(group.ctl_comm, 0, group.size, io.rows, io.reply, flat, HEADER_BYTES,
-                                         code, op, (_TAG_HEADER, _TAG_VERDICT))
+                agreed = inband(group.ctl_comm, 0, group.size, io.rows, io.reply, x, packed, seq, code, op, _TAGS)
             headers = None if agreed else headers.copy()
         else:
             with _watch_verdict(group, dog, what):
-                agreed = mpiring.inband_(group.ctl_comm, group.rank, group.size, io.rows, io.reply, flat,
-                                         HEADER_BYTES, code, op, (_TAG_HEADER, _TAG_VERDICT))
+                agreed = inband(group.ctl_comm, group.rank, group.size, io.rows, io.reply, x, packed, seq, code, op,
+                                _TAGS)
     finally:
         io.busy = False
     if not agreed:
         _mismatched(group, headers, dog, shape, what)
+
+
+_TAGS = (_TAG_HEADER, _TAG_VERDICT)
+
+
+def _sequenced(template: np.ndarray, seq: int) -> np.ndarray:
+    header = template.copy()
+    header[0] = seq
+    return header
+
+
+def _agree_reducing_in_python(group, header: np.ndarray, flat: np.ndarray, op: str, dtype_name: str, dog, shape,
+                              what) -> None:
+    """``agree_reducing`` without the C call: rank 0 through ``_coordinate`` (numpy reduces the
+    rows), the others through ``_send_row``."""
+    if group.rank == 0:
+        _coordinate(group, header, dog, shape, 0, what, flat, op, dtype_name)
+        return
+    io = _io(group)
+    try:
+        io.headers[0] = header
+        _send_row(group, io, flat, dog, shape, what)
+    finally:
+        io.busy = False
 
 
 _MODULES: dict = {}

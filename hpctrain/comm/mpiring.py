@@ -123,12 +123,13 @@ def inband_code(dtype_name: str, op: str):
     return code if code is not None and op in OP_CODES and available() else None
 
 
-def inband_(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, data: np.ndarray, header_bytes: int,
-            dtype_code: int, op: str, tags: Tuple[int, int]) -> bool:
-    """The agreement check through rank 0 with ``data`` on it, in C (``guard.agree_reducing``):
-    True when the headers agreed (``data`` reduced in place), False when they differ (rank 0
-    sent the mismatch verdict)."""
-    err = _mpiring.inband(comm.handle, MPI.BYTE.handle, rank, size, rows, reply, data, header_bytes, dtype_code,
+def inband_(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, data: np.ndarray, header: bytes,
+            seq: int, dtype_code: int, op: str, tags: Tuple[int, int]) -> bool:
+    """The agreement check through rank 0 with ``data`` (C-contiguous) on it, in C
+    (``guard.agree_reducing``): ``header`` (packed, its sequence word set to ``seq``) goes into
+    row 0 of ``rows``. True when the headers agreed (``data`` reduced in place), False when
+    they differ (rank 0 sent the mismatch verdict)."""
+    err = _mpiring.inband(comm.handle, MPI.BYTE.handle, rank, size, rows, reply, data, header, seq, dtype_code,
                           OP_CODES[op], size, tags[0], tags[1])
     if err > 0:
         _failed(err, "the agreement check (with a small all-reduce's data)")

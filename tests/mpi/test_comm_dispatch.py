@@ -98,7 +98,8 @@ def run_both(g, length, dtype, op, spy, nan=False):
     assert general == collectives._route(g, x.nbytes, x.dtype.name, "auto", False)
     if lean is None:  # the lean path declined: the general path ran the call
         assert lean_ran == [general]
-    elif lean.kind == "flags":  # inline, no executor
+    elif lean.kind == "flags" or (comm.checks_enabled() and collectives._lean(g, x.nbytes, x.dtype, op).inband
+                                  and x.ndim == 1):  # inline, no executor (a flag exchange, or data on the check)
         assert lean_ran == [] and general == lean
     else:
         assert lean_ran == [lean] == [general]
