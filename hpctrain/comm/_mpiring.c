@@ -69,7 +69,7 @@ static void combine(void *acc, const void *in, Py_ssize_t n, int dtype, int op) 
 #define DIVIDE_TYPE(T)                                                         \
     do {                                                                       \
         T *o = (T *)acc;                                                       \
-        for (Py_ssize_t i = 0; i < n; i++) o[i] = (T)(o[i] / divisor);      \
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = (T)(o[i] / divisor);         \
     } while (0)
 
 static void divide(void *acc, Py_ssize_t n, int dtype, long divisor) {

@@ -145,7 +145,7 @@ static int wait_all(Ctx *c, uint64_t seq, double timeout) {
         }                                                                      \
         if (op == OP_AVG) {                                                    \
             T *o = (T *)out;                                                   \
-            for (Py_ssize_t i = 0; i < n; i++) o[i] = (T)(o[i] / c->nranks); \
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = (T)(o[i] / c->nranks);   \
         }                                                                      \
     } while (0)
 
@@ -195,7 +195,7 @@ static void store_block(char *dst, const char *src, size_t bytes, int nontempora
                 for (Py_ssize_t i = 0; i < m; i++) { T a = acc[i], b = s[i]; acc[i] = (EXPR); } \
             }                                                                          \
             if (op == OP_AVG && divisor > 1)                                           \
-                for (Py_ssize_t i = 0; i < m; i++) acc[i] = (T)(acc[i] / divisor);  \
+                for (Py_ssize_t i = 0; i < m; i++) acc[i] = (T)(acc[i] / divisor);     \
             for (int k = 0; k < ndst; k++)                                             \
                 store_block((char *)((T *)dsts[k] + start), (const char *)acc, m * sizeof(T), nontemporal); \
         }                                                                              \

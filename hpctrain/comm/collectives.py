@@ -215,7 +215,7 @@ def allreduce_now(x: Any, op: str = "sum", algorithm: str = "auto", group: Optio
     return asyncq.run_now(f"allreduce({op})", lambda: _allreduce(x, op, algorithm, g, inplace, agree_on))
 
 
-_SHARED_WITH_NUMPY: dict = {}  # torch dtype -> True where .numpy() shares the tensor's memory as is
+_SHARED_WITH_NUMPY: set = set()  # torch dtypes whose .numpy() shares the tensor's memory as is
 
 
 def _numpy_view(x: Any) -> Optional[np.ndarray]:
@@ -226,8 +226,7 @@ def _numpy_view(x: Any) -> Optional[np.ndarray]:
     if not _SHARED_WITH_NUMPY:
         import torch
 
-        for dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64):
-            _SHARED_WITH_NUMPY[dtype] = True
+        _SHARED_WITH_NUMPY.update((torch.float32, torch.float64, torch.float16, torch.int32, torch.int64))
     return x.detach().numpy() if x.dtype in _SHARED_WITH_NUMPY else None
 
 
@@ -329,8 +328,7 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
             count = nbytes // dtype.itemsize
             entry = _Lean(route, anywhere, _HEADER_OP[op], code, _KERNEL_OP[op], name, count)
             if route.kind == "native":
-                checked = _checked_native(g, np.empty(0, dtype), (op, name, count, route.algorithm, 0, route.auto),
-                                          nbytes)
+                checked = _checked_native(g, dtype, nbytes, (op, name, count, route.algorithm, 0, route.auto))
                 entry.inband = checked if checked[1] not in (_NOT_INBAND, None) else None
     _cache(g, (nbytes, dtype, op), entry)
     return entry
@@ -357,7 +355,7 @@ def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape,
     word = guard.count_word(shape, x.size)
     if _CHECKS.on:
         key = (op, dtype_name, word, algo, extra, inband)
-        checked = g.routes.get(key) or _checked_native(g, x, key)
+        checked = g.routes.get(key) or _checked_native(g, x.dtype, x.nbytes, key)
         if checked[1] != _NOT_INBAND:  # the data rides on the check
             guard.agree_reducing(g, checked[0], x, op, dtype_name, dog, shape, checked[1], checked[2])
             return
@@ -373,16 +371,15 @@ def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape,
 _NOT_INBAND = -1
 
 
-def _checked_native(g: Group, x: np.ndarray, key: tuple, nbytes: Optional[int] = None) -> tuple:
-    """What a checked native all-reduce of ``x`` (``key``: its op, dtype name, count word,
+def _checked_native(g: Group, dtype: np.dtype, nbytes: int, key: tuple) -> tuple:
+    """What a checked native all-reduce of ``nbytes`` of ``dtype`` (``key``: its op, dtype name, count word,
     algorithm, header extra, whether auto chose it) sends, cached on ``g`` (building it costs
     a few µs, a small all-reduce's budget): its header (sequence 0), how its data rides on
     the check (``guard.agree_reducing``'s ``code``; _NOT_INBAND: MPI_Allreduce after the check)
-    and the header packed (what the C call copies). ``nbytes``: the call's size, when ``x`` is
-    only a stand-in of its dtype."""
+    and the header packed (what the C call copies)."""
     op, dtype_name, word, algo, extra, auto = key
     code = _NOT_INBAND
-    if auto and (x.nbytes if nbytes is None else nbytes) <= g.inband and guard.inband_reducible(dtype_name, x.dtype, op):
+    if auto and nbytes <= g.inband and guard.inband_reducible(dtype_name, dtype, op):
         code = mpiring.inband_code(dtype_name, op)
     header = guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra)
     checked = (header, code, header.tobytes())

@@ -259,9 +259,9 @@ def inband_limit(setting: int, size: int) -> int:
 
 
 def inband_reducible(dtype_name: str, dtype: np.dtype, op: str) -> bool:
-    """Whether rank 0 reduces this dtype and op itself as MPI would (bfloat16, held as int16,
-    and bool, whose sum is a logical or, go through MPI)."""
-    return dtype.kind in _INBAND_KINDS and dtype_name not in ("bfloat16", "bool") and op in _UFUNCS
+    """Whether rank 0 reduces this dtype and op itself as MPI would (numbers; bfloat16, held
+    as int16, and bool, whose sum is a logical or, go through MPI)."""
+    return dtype.kind in _INBAND_KINDS and dtype_name != "bfloat16" and op in _UFUNCS
 
 
 def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray, size: int, dtype_name: str) -> None:

@@ -58,7 +58,7 @@ def _bind() -> bool:
     """Hand the MPI functions to the extension (once). False when they cannot be found."""
     if "ok" not in _bound:
         ok = False
-        if _mpiring is not None and not hasattr(MPI.BYTE, "handle"):  # mpi4py before 3.1: no integer handles
+        if _mpiring is not None and not hasattr(MPI.BYTE, "handle"):  # an older mpi4py: no integer handles
             log.debug("C ring unavailable: this mpi4py gives no integer MPI handles (Datatype.handle)")
         elif _mpiring is not None:
             try:
@@ -110,10 +110,7 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
     err = _mpiring.allreduce(comm.handle, MPI.BYTE.handle, comm.Get_rank(), comm.Get_size(), arr, scratch,
                              dtype_code, OP_CODES[op], divisor, segment_bytes())
     if err:
-        if MPI.Get_error_class(err) in faults.failure_classes():  # elastic jobs: a lost peer, not a bug
-            raise MPI.Exception(err)  # the watched wait around this call makes it RanksLostError
-        raise CommError(f"the C ring all-reduce failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
-                        "HINT: if the Python ring works where this fails, run with HPCTRAIN_RING_C=0 and report it")
+        _failed(err, "the C ring all-reduce")
 
 
 def inband_code(dtype_name: str, op: str):
@@ -137,6 +134,7 @@ def inband_(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, dat
 
 
 def _failed(err: int, what: str) -> None:
+    """Raise for MPI error ``err`` of a C call (``what``)."""
     if MPI.Get_error_class(err) in faults.failure_classes():  # elastic jobs: a lost peer, not a bug
         raise MPI.Exception(err)  # the watched wait around the call makes it RanksLostError
     raise CommError(f"{what} failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"

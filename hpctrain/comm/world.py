@@ -108,8 +108,9 @@ class Group:
         self.tuned_choice = np.zeros(1, dtype=np.int64)
         self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)
         # all-reduce decisions, made once per kind of call (their inputs are this group's fixed
-        # facts): (nbytes, dtype, op) -> the lean path's collectives._Lean, and (nbytes,
-        # dtype name, requested algorithm, shared) -> plan.Route (collectives._route)
+        # facts): (nbytes, dtype, op) -> the lean path's collectives._Lean, (nbytes, dtype name,
+        # requested algorithm, shared) -> plan.Route (collectives._route), and a checked native
+        # call's header and in-band code (collectives._checked_native)
         self.routes: dict = {}
         # Ranks that called join() and now stand in for zeros in the others' all-reduces, in
         # the order they joined (the same list on every rank: read from shared agreement
