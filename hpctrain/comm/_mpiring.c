@@ -21,6 +21,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "_kernels.h"
 
@@ -276,13 +277,17 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  * headers with its own, reduces the data in rank order (rank 0's, then 1's, ...: the same
  * order as numpy's reduce over the rows) and replies.
  *
- * inband(comm, byte, rank, size, rows, reply, data, header, seq, dtype, op, divisor,
- *        tag_header, tag_verdict) -> 0 agreed (data holds the result), -1 the headers differ
- *        (rank 0 sent the mismatch verdict; the caller sends the headers), or an MPI error code.
+ * inband(comm, byte, rank, size, rows, reply, header, dtype, op, divisor, tag_header,
+ *        tag_verdict, clock, data, seq) -> 0 agreed (data holds the result), -1 the headers
+ *        differ (rank 0 sent the mismatch verdict; the caller sends the headers), or an MPI
+ *        error code. The per-call arguments come last, so that Python binds the rest once.
  *   rows: rank 0, size rows of `row` bytes; others, one row. Row 0 gets `header` with its
  *   first int64 set to `seq`; on rank 0 the other rows' first int64 is set to -1 until that
  *   rank's row arrives (what the stall watchdog reads to name the missing ranks). reply:
- *   16 + len(data) bytes. data: this rank's data, reduced in place. */
+ *   16 + len(data) bytes. data: this rank's data, reduced in place. clock: a double that holds
+ *   the monotonic time (Python's time.monotonic) the messages were posted while the call
+ *   waits, 0.0 otherwise: the stall watchdog's thread reads it (watchdog.ClockedWait), so the
+ *   call needs no Python around it to be watched. */
 typedef struct {
     uintptr_t comm, byte;
     int rank, size, dtype, op, tag_header, tag_verdict;
@@ -339,9 +344,9 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     int rank, size, dtype, op, tag_header, tag_verdict;
     long divisor;
     long long seq;
-    Py_buffer rows, reply, data, head;
-    if (!PyArg_ParseTuple(args, "KKiiw*w*w*y*Liilii", &comm, &byte, &rank, &size, &rows, &reply, &data, &head,
-                          &seq, &dtype, &op, &divisor, &tag_header, &tag_verdict))
+    Py_buffer rows, reply, head, clock, data;
+    if (!PyArg_ParseTuple(args, "KKiiw*w*y*iiliiw*w*L", &comm, &byte, &rank, &size, &rows, &reply, &head, &dtype,
+                          &op, &divisor, &tag_header, &tag_verdict, &clock, &data, &seq))
         return NULL;
     Py_ssize_t header = head.len;
     PyObject *result = NULL;
@@ -354,6 +359,8 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
                      data.len);
     } else if (size < 2 || rank < 0 || rank >= size) {
         PyErr_Format(PyExc_ValueError, "_mpiring.inband: rank %d of %d", rank, size);
+    } else if (clock.len < (Py_ssize_t)sizeof(double) || (uintptr_t)clock.buf % sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "_mpiring.inband: clock must be an aligned, writable double");
     } else if (header < 16 || row < header + data.len || reply.len < 16 + data.len || row > (1 << 30)) {
         PyErr_Format(PyExc_ValueError, "_mpiring.inband: rows of %zd bytes, a %zd-byte header, a reply of %zd "
                      "bytes: too small for %zd bytes of data", row, header, reply.len, data.len);
@@ -369,10 +376,15 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
             PyErr_NoMemory();
         } else {
             int err;
+            volatile double *began = (volatile double *)clock.buf;
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            *began = (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
             Py_BEGIN_ALLOW_THREADS
             err = rank == 0 ? inband_root(&b, reqs) : inband_leaf(&b, reqs);
             if (err > 0) cancel_all(reqs, size);
             Py_END_ALLOW_THREADS
+            *began = 0.0;
             PyMem_RawFree(reqs);
             result = PyLong_FromLong(err);
         }
@@ -381,6 +393,7 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     PyBuffer_Release(&reply);
     PyBuffer_Release(&data);
     PyBuffer_Release(&head);
+    PyBuffer_Release(&clock);
     return result;
 }
 
@@ -404,8 +417,8 @@ static PyMethodDef module_methods[] = {
     {"allreduce", allreduce, METH_VARARGS,
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
     {"inband", inband, METH_VARARGS,
-     "inband(comm, byte, rank, size, rows, reply, data, header, seq, dtype_code, op_code, divisor, tag_header, "
-     "tag_verdict) -> 0 agreed, -1 headers differ, or an MPI error code"},
+     "inband(comm, byte, rank, size, rows, reply, header, dtype_code, op_code, divisor, tag_header, tag_verdict, "
+     "clock, data, seq) -> 0 agreed, -1 headers differ, or an MPI error code"},
     {NULL, NULL, 0, NULL},
 };
 

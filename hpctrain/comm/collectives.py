@@ -186,9 +186,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
                     return x
             elif lean.inband is not None and _CHECKS.on and x.ndim == 1 and not g.shared_buffers and (
                     x.flags.c_contiguous and x.flags.writeable):  # the data rides on the check, in C
-                template, code, packed = lean.inband
-                guard.agree_reducing(g, template, x, op, lean.dtype_name, _world_state["watchdog"], x.shape, code,
-                                     packed)
+                lean.inband(x, x.shape)
                 return x
             elif lean.route is not None and _run_lean(g, x, op, lean):
                 return x
@@ -306,9 +304,9 @@ class _Lean:
             route, flags, red, code, kop, dtype_name)
         # the flag exchange's header for a 1-D array of ``count`` elements, sequence number 0
         self.header = _PACK(0, _ALLREDUCE, red, code, count, _SHM, 0, 0) if flags else None
-        # a native route whose data rides on the check in C (_checked_native's entry for a
+        # a native route whose data rides on the check in C (_checked_native's call for a
         # 1-D array, set by _lean), else None
-        self.inband: Optional[tuple] = None
+        self.inband: Optional[guard.InbandCall] = None
 
 
 _GENERAL = _Lean(None)
@@ -329,7 +327,8 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
             entry = _Lean(route, anywhere, _HEADER_OP[op], code, _KERNEL_OP[op], name, count)
             if route.kind == "native":
                 checked = _checked_native(g, dtype, nbytes, (op, name, count, route.algorithm, 0, route.auto))
-                entry.inband = checked if checked[1] not in (_NOT_INBAND, None) else None
+                inband = checked[1]
+                entry.inband = inband if inband is not None and inband.run is not None else None
     _cache(g, (nbytes, dtype, op), entry)
     return entry
 
@@ -349,15 +348,15 @@ def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape,
     behind the agreement check, with little Python (across nodes with more ranks than cores
     every microsecond here is on every rank's critical path, about threefold). ``inband``
     (``auto`` chose the route): up to ``g.inband`` bytes the data rides on the check and no
-    MPI_Allreduce runs (``guard.agree_reducing``). ``shape``: what the ranks agree on;
+    MPI_Allreduce runs (``guard.InbandCall``). ``shape``: what the ranks agree on;
     ``extra``: a shared buffer's offset + 1 (the header's field)."""
     dog = _world_state["watchdog"]
     word = guard.count_word(shape, x.size)
     if _CHECKS.on:
         key = (op, dtype_name, word, algo, extra, inband)
         checked = g.routes.get(key) or _checked_native(g, x.dtype, x.nbytes, key)
-        if checked[1] != _NOT_INBAND:  # the data rides on the check
-            guard.agree_reducing(g, checked[0], x, op, dtype_name, dog, shape, checked[1], checked[2])
+        if checked[1] is not None:  # the data rides on the check
+            checked[1](x, shape)
             return
         guard.agree(g, checked[0].copy(), dog, shape)
     else:
@@ -368,21 +367,19 @@ def _native(g: Group, x: np.ndarray, op: str, dtype_name: str, algo: str, shape,
         algorithms.native_(g.comm, x, op, dtype_name)
 
 
-_NOT_INBAND = -1
-
-
 def _checked_native(g: Group, dtype: np.dtype, nbytes: int, key: tuple) -> tuple:
-    """What a checked native all-reduce of ``nbytes`` of ``dtype`` (``key``: its op, dtype name, count word,
-    algorithm, header extra, whether auto chose it) sends, cached on ``g`` (building it costs
-    a few µs, a small all-reduce's budget): its header (sequence 0), how its data rides on
-    the check (``guard.agree_reducing``'s ``code``; _NOT_INBAND: MPI_Allreduce after the check)
-    and the header packed (what the C call copies)."""
+    """What a checked native all-reduce of ``nbytes`` of ``dtype`` (``key``: its op, dtype name,
+    count word, algorithm, header extra, whether auto chose it) sends, cached on ``g`` (building
+    it costs a few µs, a small all-reduce's budget): its header (sequence 0) and, where its data
+    rides on the check, the ``guard.InbandCall`` that runs it (None: MPI_Allreduce after the
+    check)."""
     op, dtype_name, word, algo, extra, auto = key
-    code = _NOT_INBAND
-    if auto and nbytes <= g.inband and guard.inband_reducible(dtype_name, dtype, op):
-        code = mpiring.inband_code(dtype_name, op)
     header = guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra)
-    checked = (header, code, header.tobytes())
+    inband = None
+    if auto and nbytes <= g.inband and guard.inband_reducible(dtype_name, dtype, op):
+        inband = guard.InbandCall(g, header, mpiring.inband_code(dtype_name, op), header.tobytes(), op, dtype_name,
+                                  _world_state["watchdog"])
+    checked = (header, inband)
     _cache(g, key, checked)
     return checked
 

@@ -10,7 +10,7 @@ entered the collective. On one node with shared-memory flags the same check is o
 exchange (``shmsync.NodeFlags.agree``).
 
 A small all-reduce checked through rank 0 needs no collective of its own: its data rides
-on the header (``agree_reducing``), rank 0 reduces the rows in rank order and its verdict
+on the header (``InbandCall``), rank 0 reduces the rows in rank order and its verdict
 carries the result. One round trip instead of the check's and MPI_Allreduce's, and a
 mismatch is still found before any data is reduced.
 
@@ -28,6 +28,7 @@ from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
 from .plan import ALGORITHMS
+from .watchdog import translated
 
 _TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
 HEADER_LEN = 7
@@ -280,39 +281,90 @@ def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray, size: int, dtype_nam
         finish_average(out, size, dtype_name)
 
 
-def agree_reducing(group, template: np.ndarray, x: np.ndarray, op: str, dtype_name: str, dog, shape=None,
-                   code: Optional[int] = None, packed: bytes = b"") -> None:
-    """``agree`` for a small all-reduce of ``x`` (contiguous, in place) checked through rank 0,
-    its data riding on the header: rank 0 checks the headers, reduces the rows and sends the
-    result with its verdict. Call only where ``agree`` goes through rank 0 with the check on
-    and ``x.nbytes <= group.inband`` (``inband_reducible``); a rank whose call differs sends a
-    plain header, which rank 0 finds mismatched before anything is reduced. ``template``:
-    the header with sequence 0 (not changed; ``packed``: its bytes). Where the C kernels take
-    the dtype (``code``: ``mpiring.inband_code``), one call into C (``mpiring.inband_``) does
-    a rank's whole part, header included; None: Python (rank 0 reduces with numpy)."""
-    group.seq += 1
-    seq = group.seq
-    what = lambda: describe_header(_sequenced(template, seq)) + f" on {group.name}"  # noqa: E731 - stall report
-    if code is None:
-        _agree_reducing_in_python(group, _sequenced(template, seq), x.reshape(-1), op, dtype_name, dog, shape, what)
-        return
-    io = _io(group)
-    headers = None  # rank 0, on a mismatch: every rank's header, sent to the others
-    try:
-        inband = _mpiring().inband_
-        if group.rank == 0:
-            headers = io.headers
-            with dog.watch(lambda: what() + " (agreement check)", lambda: _not_arrived(group, headers)):
-                agreed = inband(group.ctl_comm, 0, group.size, io.rows, io.reply, x, packed, seq, code, op, _TAGS)
-            headers = None if agreed else headers.copy()
-        else:
-            with _watch_verdict(group, dog, what):
-                agreed = inband(group.ctl_comm, group.rank, group.size, io.rows, io.reply, x, packed, seq, code, op,
-                                _TAGS)
-    finally:
+class InbandCall:
+    """``agree`` for small all-reduces of one kind (group, header, dtype, op) checked through
+    rank 0, their data riding on the header: rank 0 checks the headers, reduces the rows in
+    rank order and sends the result with its verdict. Made once per kind (the collectives
+    cache it) and called with each array: ``call(x, shape)`` reduces ``x`` (contiguous,
+    writable) in place. Use only where ``agree`` goes through rank 0 with the check on and
+    ``x.nbytes <= group.inband`` (``inband_reducible``); a rank whose call differs sends a
+    plain header, which rank 0 finds mismatched before anything is reduced.
+
+    Where the C kernels take the dtype (``code``: ``mpiring.inband_code``), a call is one C
+    call with its fixed arguments bound here; it times itself for the stall watchdog (a
+    ``ClockedWait`` registered here), so no Python runs around it: across nodes with more
+    ranks than cores each microsecond of Python costs several of the call's time. Otherwise
+    (``code`` None), or while another thread holds the group's CheckIO, the same messages go
+    through Python (rank 0 reduces with numpy).
+
+    ``template``: the header with sequence 0 (not changed); ``packed``: its bytes."""
+
+    __slots__ = ("group", "template", "op", "dtype_name", "dog", "io", "run", "wait")
+
+    def __init__(self, group, template: np.ndarray, code: Optional[int], packed: bytes, op: str, dtype_name: str,
+                 dog) -> None:
+        self.group, self.template, self.op, self.dtype_name, self.dog = group, template, op, dtype_name, dog
+        self.io = self.run = self.wait = None
+        if code is None:
+            return
+        io = self.io = _io(group)
         io.busy = False
-    if not agreed:
-        _mismatched(group, headers, dog, shape, what)
+        if group.rank == 0:
+            self.wait = dog.clocked(lambda: self.what() + " (agreement check)",
+                                    lambda: _not_arrived(group, io.headers))
+        else:
+            self.wait = dog.clocked(lambda: self.what() + _WAITING_FOR_ROOT, _root_report(group), grace=_ROOT_GRACE)
+        self.run = _mpiring().inband_call(group.ctl_comm, group.rank, group.size, io.rows, io.reply, packed, code,
+                                          op, _TAGS, self.wait.clock)
+
+    def what(self) -> str:
+        """The call in progress, for a stall report (its sequence number is the group's)."""
+        return describe_header(_sequenced(self.template, self.group.seq)) + f" on {self.group.name}"
+
+    def __call__(self, x: np.ndarray, shape=None) -> None:
+        group, io = self.group, self.io
+        if self.run is None or io.busy or group.check_io is not io:
+            self._in_python(x, shape)
+            return
+        io.busy = True
+        group.seq += 1
+        try:
+            err = self.run(x, group.seq)
+        finally:
+            io.busy = False
+        if err:
+            self._failed(err, shape)
+
+    def _failed(self, err: int, shape) -> None:
+        """After the C call returned ``err``: an MPI error (> 0) raised as such (a lost rank
+        in an elastic job as RanksLostError), or a mismatch (-1) raised on every rank."""
+        if err > 0:
+            try:
+                _mpiring()._failed(err, "the agreement check (with a small all-reduce's data)")
+            except Exception as exc:
+                lost = translated(exc)
+                if lost is exc:
+                    raise
+                raise lost from exc
+        headers = self.io.headers.copy() if self.group.rank == 0 else None
+        _mismatched(self.group, headers, self.dog, shape, self.what)
+
+    def _in_python(self, x: np.ndarray, shape) -> None:
+        """The call's messages through Python: rank 0 through ``_coordinate`` (numpy reduces
+        the rows), the others through ``_send_row``."""
+        group = self.group
+        group.seq += 1
+        header = _sequenced(self.template, group.seq)
+        flat = x.reshape(-1)
+        if group.rank == 0:
+            _coordinate(group, header, self.dog, shape, 0, self.what, flat, self.op, self.dtype_name)
+            return
+        io = _io(group)
+        try:
+            io.headers[0] = header
+            _send_row(group, io, flat, self.dog, shape, self.what)
+        finally:
+            io.busy = False
 
 
 _TAGS = (_TAG_HEADER, _TAG_VERDICT)
@@ -322,21 +374,6 @@ def _sequenced(template: np.ndarray, seq: int) -> np.ndarray:
     header = template.copy()
     header[0] = seq
     return header
-
-
-def _agree_reducing_in_python(group, header: np.ndarray, flat: np.ndarray, op: str, dtype_name: str, dog, shape,
-                              what) -> None:
-    """``agree_reducing`` without the C call: rank 0 through ``_coordinate`` (numpy reduces the
-    rows), the others through ``_send_row``."""
-    if group.rank == 0:
-        _coordinate(group, header, dog, shape, 0, what, flat, op, dtype_name)
-        return
-    io = _io(group)
-    try:
-        io.headers[0] = header
-        _send_row(group, io, flat, dog, shape, what)
-    finally:
-        io.busy = False
 
 
 _MODULES: dict = {}
@@ -365,9 +402,16 @@ def _send_row(group, io, flat: np.ndarray, dog, shape, what) -> None:
     flat.view(np.uint8)[:] = io.reply[_VERDICT_BYTES:_VERDICT_BYTES + n]
 
 
+_WAITING_FOR_ROOT = " (waiting for rank 0's agreement check)"
+_ROOT_GRACE = 2.0  # s: a rank waiting for rank 0's verdict lets rank 0 report a stall first
+
+
+def _root_report(group):
+    return lambda: f"{group.describe_ranks([0])}, which coordinates the check (see its report)"
+
+
 def _watch_verdict(group, dog, what):
-    return dog.watch(lambda: what() + " (waiting for rank 0's agreement check)",
-                     lambda: f"{group.describe_ranks([0])}, which coordinates the check (see its report)", grace=2.0)
+    return dog.watch(lambda: what() + _WAITING_FOR_ROOT, _root_report(group), grace=_ROOT_GRACE)
 
 
 def _not_arrived(group, headers: np.ndarray) -> str:
@@ -464,7 +508,7 @@ def _coordinate(group, header: np.ndarray, dog, shape, decision: int, what, flat
                 op: str = "", dtype_name: str = "") -> int:
     """Rank 0's part of ``agree`` over MPI: every header in, one verdict out (with
     ``decision``); a mismatch also sends every rank the headers, then raises. With ``flat``
-    (``agree_reducing``): the rows' in-band data reduced into ``flat`` and sent with the verdict."""
+    (``InbandCall``): the rows' in-band data reduced into ``flat`` and sent with the verdict."""
     from mpi4py import MPI
 
     io = _io(group)

@@ -16,8 +16,9 @@ the Python ring runs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -114,23 +115,22 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
 
 
 def inband_code(dtype_name: str, op: str):
-    """The kernels' dtype code when ``inband_`` can reduce ``dtype_name`` with ``op`` here, else
+    """The kernels' dtype code when ``inband_call`` can reduce ``dtype_name`` with ``op`` here, else
     None (the agreement check's Python then carries the data; the messages are the same)."""
     code = kernel_dtype_code(dtype_name)
     return code if code is not None and op in OP_CODES and available() else None
 
 
-def inband_(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, data: np.ndarray, header: bytes,
-            seq: int, dtype_code: int, op: str, tags: Tuple[int, int]) -> bool:
-    """The agreement check through rank 0 with ``data`` (C-contiguous) on it, in C
-    (``guard.agree_reducing``): ``header`` (packed, its sequence word set to ``seq``) goes into
-    row 0 of ``rows``. True when the headers agreed (``data`` reduced in place), False when
-    they differ (rank 0 sent the mismatch verdict)."""
-    err = _mpiring.inband(comm.handle, MPI.BYTE.handle, rank, size, rows, reply, data, header, seq, dtype_code,
-                          OP_CODES[op], size, tags[0], tags[1])
-    if err > 0:
-        _failed(err, "the agreement check (with a small all-reduce's data)")
-    return err == 0
+def inband_call(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, header: bytes, dtype_code: int,
+                op: str, tags: Tuple[int, int], clock) -> Callable[[np.ndarray, int], int]:
+    """The agreement check through rank 0 with a small all-reduce's data on it, in C
+    (``guard.InbandCall``), with everything but the data and the sequence number bound once:
+    ``call(data, seq)`` puts ``header`` (packed, its sequence word set to ``seq``) into row 0 of
+    ``rows``, reduces ``data`` (C-contiguous) in place and returns 0 (agreed), -1 (the headers
+    differ: rank 0 sent the mismatch verdict) or an MPI error code (raise it with ``_failed``).
+    ``clock``: the double the call keeps its start time in while it waits (``ClockedWait``)."""
+    return functools.partial(_mpiring.inband, comm.handle, MPI.BYTE.handle, rank, size, rows, reply, header,
+                             dtype_code, OP_CODES[op], size, tags[0], tags[1], clock)
 
 
 def _failed(err: int, what: str) -> None:

@@ -6,9 +6,11 @@ waits of all threads; mpi4py releases the GIL while blocked in MPI, so the threa
 """
 from __future__ import annotations
 
+import array
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Union
 
 from .. import settings
@@ -61,10 +63,47 @@ class Wait:
             self._dog._waits.pop(self._key, None)
         else:
             self._dog._waits[self._key] = self._previous
-        if exc is not None and TRANSLATE["fn"] is not None:
-            lost = TRANSLATE["fn"](exc)
-            if lost is not None:
+        if exc is not None:
+            lost = translated(exc)
+            if lost is not exc:
                 raise lost from exc
+
+
+def translated(exc: BaseException) -> BaseException:
+    """``exc``, or the RanksLostError an elastic job makes of it (TRANSLATE) when it is an MPI
+    error of a lost peer; for blocking calls that are not in a ``watch`` (``ClockedWait``)."""
+    if TRANSLATE["fn"] is None:
+        return exc
+    lost = TRANSLATE["fn"](exc)
+    return exc if lost is None else lost
+
+
+class ClockedWait:
+    """A standing wait for a blocking call in C that times itself: while it waits,
+    ``clock[0]`` holds the monotonic time (``time.monotonic``) it began, 0.0 otherwise. Made
+    once (``Watchdog.clocked``) for calls made many times: they cost no Python for the
+    watchdog (``Wait`` costs about a microsecond per call). The watchdog reads the clock from
+    its thread while the call, having released the GIL, waits."""
+
+    __slots__ = ("what", "waiting_for", "grace", "clock", "_from", "_restarted", "__weakref__")
+
+    def __init__(self, what: Text, waiting_for: Callable[[], str], grace: float) -> None:
+        self.what, self.waiting_for, self.grace = what, waiting_for, grace
+        self.clock = array.array("d", [0.0])
+        self._from, self._restarted = 0.0, 0.0
+
+    @property
+    def since(self) -> Optional[float]:
+        """When the call now waiting began (None: none waits), or when the watchdog restarted
+        its count (the elastic hook diverted it) if that is the same call."""
+        began = self.clock[0]
+        if not began:
+            return None
+        return self._restarted if began == self._from else began
+
+    @since.setter
+    def since(self, value: float) -> None:  # the watchdog restarts the count of the call now waiting
+        self._from, self._restarted = self.clock[0], value
 
 
 class Watchdog:
@@ -73,6 +112,7 @@ class Watchdog:
         self.timeout = timeout
         self._abort = abort
         self._waits: Dict[int, Wait] = {}
+        self._clocked: Dict[int, weakref.ref] = {}  # id -> ClockedWait
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self.fired: List[str] = []
@@ -94,23 +134,40 @@ class Watchdog:
         """``with dog.watch(what, waiting_for): <blocking MPI call>``."""
         return Wait(self, what, waiting_for, grace)
 
+    def clocked(self, what: Text, waiting_for: Callable[[], str], grace: float = 0.0) -> ClockedWait:
+        """A ``ClockedWait`` watched for as long as the caller keeps it."""
+        wait = ClockedWait(what, waiting_for, grace)
+        key = id(wait)
+        self._clocked[key] = weakref.ref(wait, lambda _, clocked=self._clocked: clocked.pop(key, None))
+        return wait
+
+    def _watched(self) -> List[Union[Wait, ClockedWait]]:
+        """Every wait in progress (list() of a dict's values: one step, safe against other threads)."""
+        waits: List[Union[Wait, ClockedWait]] = list(self._waits.values())
+        for ref in list(self._clocked.values()):
+            wait = ref()
+            if wait is not None and wait.clock[0]:
+                waits.append(wait)
+        return waits
+
     def _run(self) -> None:
         interval = min(1.0, max(self.timeout / 10, 0.05))
         while not self._stop.wait(interval):
             now = time.monotonic()
-            for wait in list(self._waits.values()):
-                if now - wait.since > self.timeout + wait.grace:
-                    if self._lost_rank(wait, now - wait.since) and self._diverted.get(id(wait)) != wait.since:
+            for wait in self._watched():
+                since = wait.since
+                if since is not None and now - since > self.timeout + wait.grace:
+                    if self._lost_rank(wait, now - since) and self._diverted.get(id(wait)) != since:
                         wait.since = self._diverted[id(wait)] = now  # it now ends with RanksLostError; watch it anew
                         continue
-                    self._fire(wait, now - wait.since)
+                    self._fire(wait, now - since)
                     return
 
-    def _lost_rank(self, wait: Wait, waited: float) -> bool:
+    def _lost_rank(self, wait: Union[Wait, ClockedWait], waited: float) -> bool:
         hook = ON_STALL["fn"]
         return hook is not None and hook(text(wait.what), waited, wait.waiting_for)
 
-    def _fire(self, wait: Wait, waited: float) -> None:
+    def _fire(self, wait: Union[Wait, ClockedWait], waited: float) -> None:
         try:
             missing = wait.waiting_for()
         except Exception as exc:  # never let the report itself hide the stall

@@ -105,6 +105,7 @@ class FakeMPI:
         self.incoming = incoming
         self.fail_recv, self.error = fail_recv, error
         self.posted, self.cancelled, self.recvs, self.next = {}, [], 0, 1
+        self.on_wait = lambda: None  # called in every wait (the C call has released the GIL)
         post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
                                 ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
         self._fns = [post(self.isend), post(self.irecv),
@@ -135,6 +136,7 @@ class FakeMPI:
         slot = self.ctypes.c_uint64.from_address(req)
         assert slot.value in self.posted, f"wait on request {slot.value}, which is not posted"
         del self.posted[slot.value]
+        self.on_wait()
         slot.value = 0xDEAD  # as an MPI's non-zero MPI_REQUEST_NULL
         return 0
 
@@ -186,3 +188,34 @@ def shmsync_op(op):
     from hpctrain.comm.shmsync import OP_CODES
 
     return OP_CODES[op], {"min": np.minimum, "max": np.maximum}[op]
+
+
+def test_the_in_band_call_holds_its_start_time_while_it_waits_and_clears_it(fake_mpi):
+    """Rank 1 of 2: its row goes out, rank 0's reply (verdict 0, the sum) comes in. While it
+    waits, the clock holds the monotonic time it began (what the stall watchdog reads, with
+    no Python around the call); after, 0."""
+    import array
+    import time
+
+    reply_in = np.zeros(16 + 16, np.uint8)
+    reply_in[16:].view(np.float32)[:] = [10, 20, 30, 40]
+    fake = fake_mpi(incoming=reply_in)
+    clock = array.array("d", [0.0])
+    seen = []
+    fake.on_wait = lambda: seen.append(clock[0])
+    rows, reply, header = np.zeros((1, 56 + 16), np.uint8), np.zeros(32, np.uint8), bytes(range(56))
+    x = np.arange(4, dtype=np.float32)
+    before = time.monotonic()
+    err = _mpiring.inband(1, 1, 1, 2, rows, reply, header, F32, 0, 2, 101, 102, clock, x, 7)
+    after = time.monotonic()
+    assert err == 0 and x.tolist() == [10, 20, 30, 40]
+    assert rows[0, :8].view(np.int64)[0] == 7 and bytes(rows[0, 8:56]) == header[8:]  # the sequence put in
+    assert rows[0, 56:].view(np.float32).tolist() == [0, 1, 2, 3]  # its data behind the header
+    assert seen and all(before <= t <= after for t in seen), (before, seen, after)
+    assert clock[0] == 0.0
+
+
+def test_the_in_band_call_refuses_a_clock_it_cannot_hold_a_double_in():
+    with pytest.raises(ValueError, match="clock"):
+        _mpiring.inband(1, 1, 1, 2, np.zeros((1, 72), np.uint8), np.zeros(32, np.uint8), bytes(56), F32, 0, 2,
+                        101, 102, bytearray(4), np.zeros(4, np.float32), 7)
