@@ -84,6 +84,13 @@ def check(out, length, dtype, op, nan=False):
         np.testing.assert_array_equal(got, want)
 
 
+def inline_call(g, x, op):
+    """The lean path's call that runs without the executor for a native route: the data on the
+    check (check on) or MPI_Allreduce bound once (check off); None for neither."""
+    entry = collectives._lean(g, x.nbytes, x.dtype, op)
+    return x.ndim == 1 and (entry.inband if comm.checks_enabled() else entry.native)
+
+
 def run_both(g, length, dtype, op, spy, nan=False):
     """Lean (numpy) and general (torch) calls of one case on every rank, then mixed paths."""
     x = data(length, dtype, R, nan)
@@ -98,8 +105,7 @@ def run_both(g, length, dtype, op, spy, nan=False):
     assert general == collectives._route(g, x.nbytes, x.dtype.name, "auto", False)
     if lean is None:  # the lean path declined: the general path ran the call
         assert lean_ran == [general]
-    elif lean.kind == "flags" or (comm.checks_enabled() and collectives._lean(g, x.nbytes, x.dtype, op).inband
-                                  and x.ndim == 1):  # inline, no executor (a flag exchange, or data on the check)
+    elif lean.kind == "flags" or inline_call(g, x, op):  # inline, no executor
         assert lean_ran == [] and general == lean
     else:
         assert lean_ran == [lean] == [general]
