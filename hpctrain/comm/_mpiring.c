@@ -278,22 +278,28 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  * order as numpy's reduce over the rows) and replies.
  *
  * inband(comm, byte, rank, size, rows, reply, header, dtype, op, divisor, tag_header,
- *        tag_verdict, clock, data, seq) -> 0 agreed (data holds the result), -1 the headers
- *        differ (rank 0 sent the mismatch verdict; the caller sends the headers), or an MPI
- *        error code. The per-call arguments come last, so that Python binds the rest once.
+ *        tag_verdict, source, fanout, clock, data, seq) -> 0 agreed (data holds the result),
+ *        -1 the headers differ (rank 0 sent the mismatch verdict; the caller sends the
+ *        headers), or an MPI error code. The per-call arguments come last, so that Python
+ *        binds the rest once.
  *   rows: rank 0, size rows of `row` bytes; others, one row. Row 0 gets `header` with its
  *   first int64 set to `seq`; on rank 0 the other rows' first int64 is set to -1 until that
  *   rank's row arrives (what the stall watchdog reads to name the missing ranks). reply:
- *   16 + len(data) bytes. data: this rank's data, reduced in place. clock: a double that holds
+ *   16 + len(data) bytes. data: this rank's data, reduced in place. fanout (int32 ranks,
+ *   plan.inband_fanout): where this rank sends an agreed reply (rank 0; a mismatch verdict
+ *   goes to every rank) or passes it on (a node's first rank); source: whom the others
+ *   receive the reply from (0, or MPI_ANY_SOURCE where replies are passed on). clock: a double that holds
  *   the monotonic time (Python's time.monotonic) the messages were posted while the call
  *   waits, 0.0 otherwise: the stall watchdog's thread reads it (watchdog.ClockedWait), so the
  *   call needs no Python around it to be watched. */
 typedef struct {
     uintptr_t comm, byte;
-    int rank, size, dtype, op, tag_header, tag_verdict;
+    int rank, size, dtype, op, tag_header, tag_verdict, source;
     long divisor;
     char *rows, *reply, *data;
     Py_ssize_t row, header, n;  /* row stride, header bytes, data bytes */
+    const int32_t *fanout;
+    int fanouts;
 } Inband;
 
 /* An Isend's or Irecv's error code; its slot cleared when nothing was posted. */
@@ -302,12 +308,20 @@ static int post(int err, Req *q) {
     return err;
 }
 
+/* Send the reply's first `bytes` to the fanout ranks (all posted, then waited). */
+static int send_reply(const Inband *b, Req *q, int bytes) {
+    for (int i = 0; i < b->fanouts; i++)
+        CHECK(post(mpi_isend(b->reply, bytes, b->byte, b->fanout[i], b->tag_verdict, b->comm, &q[i]), &q[i]));
+    return wait_all(q, b->fanouts);
+}
+
 static int inband_leaf(const Inband *b, Req *q) {
     memcpy(b->rows + b->header, b->data, (size_t)b->n);
-    CHECK(post(mpi_irecv(b->reply, (int)(16 + b->n), b->byte, 0, b->tag_verdict, b->comm, &q[0]), &q[0]));
+    CHECK(post(mpi_irecv(b->reply, (int)(16 + b->n), b->byte, b->source, b->tag_verdict, b->comm, &q[0]), &q[0]));
     CHECK(post(mpi_isend(b->rows, (int)(b->header + b->n), b->byte, 0, b->tag_header, b->comm, &q[1]), &q[1]));
     CHECK(wait_all(q, 2));
     if (((int64_t *)b->reply)[0] != 0) return -1;
+    if (b->fanouts) CHECK(send_reply(b, q, (int)(16 + b->n)));  /* a node's first rank passes it on */
     memcpy(b->data, b->reply + 16, (size_t)b->n);
     return 0;
 }
@@ -332,22 +346,26 @@ static int inband_root(const Inband *b, Req *q) {
         if (b->divisor > 1) divide(acc, count, b->dtype, b->divisor);
         memcpy(b->data, acc, (size_t)b->n);
     }
+    if (!mismatch) {
+        CHECK(send_reply(b, q, (int)(16 + b->n)));
+        return 0;
+    }
     for (int r = 1; r <= others; r++)
-        CHECK(post(mpi_isend(b->reply, (int)(mismatch ? 16 : 16 + b->n), b->byte, r, b->tag_verdict, b->comm,
-                             &q[r - 1]), &q[r - 1]));
+        CHECK(post(mpi_isend(b->reply, 16, b->byte, r, b->tag_verdict, b->comm, &q[r - 1]), &q[r - 1]));
     CHECK(wait_all(q, others));
-    return mismatch ? -1 : 0;
+    return -1;
 }
 
 static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     unsigned long long comm, byte;
-    int rank, size, dtype, op, tag_header, tag_verdict;
+    int rank, size, dtype, op, tag_header, tag_verdict, source;
     long divisor;
     long long seq;
-    Py_buffer rows, reply, head, clock, data;
-    if (!PyArg_ParseTuple(args, "KKiiw*w*y*iiliiw*w*L", &comm, &byte, &rank, &size, &rows, &reply, &head, &dtype,
-                          &op, &divisor, &tag_header, &tag_verdict, &clock, &data, &seq))
+    Py_buffer rows, reply, head, fanout, clock, data;
+    if (!PyArg_ParseTuple(args, "KKiiw*w*y*iiliiiy*w*w*L", &comm, &byte, &rank, &size, &rows, &reply, &head, &dtype,
+                          &op, &divisor, &tag_header, &tag_verdict, &source, &fanout, &clock, &data, &seq))
         return NULL;
+    int fanouts = (int)(fanout.len / (Py_ssize_t)sizeof(int32_t));
     Py_ssize_t header = head.len;
     PyObject *result = NULL;
     int item = itemsize_of(dtype);
@@ -359,14 +377,18 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
                      data.len);
     } else if (size < 2 || rank < 0 || rank >= size) {
         PyErr_Format(PyExc_ValueError, "_mpiring.inband: rank %d of %d", rank, size);
+    } else if (fanout.len % (Py_ssize_t)sizeof(int32_t) || fanouts >= size || (uintptr_t)fanout.buf % sizeof(int32_t)) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.inband: fanout of %zd bytes: at most %d aligned int32 ranks",
+                     fanout.len, size - 1);
     } else if (clock.len < (Py_ssize_t)sizeof(double) || (uintptr_t)clock.buf % sizeof(double)) {
         PyErr_SetString(PyExc_ValueError, "_mpiring.inband: clock must be an aligned, writable double");
     } else if (header < 16 || row < header + data.len || reply.len < 16 + data.len || row > (1 << 30)) {
         PyErr_Format(PyExc_ValueError, "_mpiring.inband: rows of %zd bytes, a %zd-byte header, a reply of %zd "
                      "bytes: too small for %zd bytes of data", row, header, reply.len, data.len);
     } else {
-        Inband b = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag_header, tag_verdict,
-                    op == OP_AVG ? divisor : 0, rows.buf, reply.buf, data.buf, row, header, data.len};
+        Inband b = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag_header, tag_verdict, source,
+                    op == OP_AVG ? divisor : 0, rows.buf, reply.buf, data.buf, row, header, data.len,
+                    (const int32_t *)fanout.buf, fanouts};
         int64_t word = (int64_t)seq, unset = -1;
         memcpy(b.rows, head.buf, (size_t)header);
         memcpy(b.rows, &word, sizeof word);
@@ -393,6 +415,7 @@ static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
     PyBuffer_Release(&reply);
     PyBuffer_Release(&data);
     PyBuffer_Release(&head);
+    PyBuffer_Release(&fanout);
     PyBuffer_Release(&clock);
     return result;
 }
@@ -418,7 +441,7 @@ static PyMethodDef module_methods[] = {
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
     {"inband", inband, METH_VARARGS,
      "inband(comm, byte, rank, size, rows, reply, header, dtype_code, op_code, divisor, tag_header, tag_verdict, "
-     "clock, data, seq) -> 0 agreed, -1 headers differ, or an MPI error code"},
+     "source, fanout, clock, data, seq) -> 0 agreed, -1 headers differ, or an MPI error code"},
     {NULL, NULL, 0, NULL},
 };
 

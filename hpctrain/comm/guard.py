@@ -235,11 +235,12 @@ def agree(group, header: np.ndarray, dog, shape=None, decision: int = 0) -> int:
     return int(verdict[1])
 
 
-def _await_verdict(group, comm, buf, verdict: np.ndarray, dog, shape, what) -> None:
+def _await_verdict(group, comm, buf, verdict: np.ndarray, dog, shape, what, source: int = 0) -> None:
     """A rank other than 0: receive rank 0's verdict into ``buf`` (whose first 16 bytes are
-    ``verdict``); raise the mismatch it reports."""
+    ``verdict``; ``source``: where it comes from, see ``plan.inband_fanout``); raise the
+    mismatch it reports."""
     with _watch_verdict(group, dog, what):
-        comm.Recv(buf, source=0, tag=_TAG_VERDICT)
+        comm.Recv(buf, source=source, tag=_TAG_VERDICT)
     if verdict[0] != 0:
         _mismatched(group, None, dog, shape, what)
 
@@ -315,7 +316,7 @@ class InbandCall:
         else:
             self.wait = dog.clocked(lambda: self.what() + _WAITING_FOR_ROOT, _root_report(group), grace=_ROOT_GRACE)
         self.run = _mpiring().inband_call(group.ctl_comm, group.rank, group.size, io.rows, io.reply, packed, code,
-                                          op, _TAGS, self.wait.clock)
+                                          op, _TAGS, group.inband_forwarded, group.inband_fanout, self.wait.clock)
 
     def what(self) -> str:
         """The call in progress, for a stall report (its sequence number is the group's)."""
@@ -391,14 +392,19 @@ def _mpiring():
 
 def _send_row(group, io, flat: np.ndarray, dog, shape, what) -> None:
     """A rank other than 0, in Python: send the header (in ``io``'s row 0) and ``flat``'s data,
-    receive the verdict and the result into ``flat``."""
+    receive the verdict and the result into ``flat`` (from rank 0, or where replies are passed
+    on from any source), and pass an agreed reply on to ``group.inband_fanout``."""
     from mpi4py import MPI
 
     n = flat.nbytes
     io.rows[0, HEADER_BYTES:HEADER_BYTES + n] = flat.view(np.uint8)
     comm = group.ctl_comm
+    reply = [io.reply, _VERDICT_BYTES + n, MPI.BYTE]
     comm.Send([io.rows[0], HEADER_BYTES + n, MPI.BYTE], dest=0, tag=_TAG_HEADER)
-    _await_verdict(group, comm, [io.reply, _VERDICT_BYTES + n, MPI.BYTE], io.verdict, dog, shape, what)
+    source = MPI.ANY_SOURCE if group.inband_forwarded else 0
+    _await_verdict(group, comm, reply, io.verdict, dog, shape, what, source)
+    if group.inband_fanout:
+        MPI.Request.Waitall([comm.Isend(reply, dest=r, tag=_TAG_VERDICT) for r in group.inband_fanout])
     flat.view(np.uint8)[:] = io.reply[_VERDICT_BYTES:_VERDICT_BYTES + n]
 
 
@@ -446,38 +452,38 @@ class CheckIO:
     Python is a few calls. ``busy``: in use (a second thread's check on the same group gets a
     private one)."""
 
-    __slots__ = ("comm", "rows", "headers", "reply", "verdict", "recvs", "sends", "replies", "busy")
+    __slots__ = ("comm", "rows", "headers", "reply", "verdict", "recvs", "sends", "replies", "busy", "fanout")
 
     _REPLY_SIZES = 64  # in-band sizes with persistent sends kept (a program uses few)
 
-    def __init__(self, comm, size: int, inband: int, root: bool) -> None:
+    def __init__(self, comm, size: int, inband: int, root: bool, fanout: Sequence[int] = ()) -> None:
         from mpi4py import MPI
 
         self.comm = comm
+        self.fanout = tuple(fanout)  # where an agreed in-band reply goes (plan.inband_fanout)
         self.rows = np.empty((size if root else 1, HEADER_BYTES + inband), dtype=np.uint8)
         self.headers = self.rows[:, :HEADER_BYTES].view(np.int64)
         self.reply = np.zeros(_VERDICT_BYTES + inband, dtype=np.uint8)
         self.verdict = self.reply[:_VERDICT_BYTES].view(np.int64)
         self.recvs = [comm.Recv_init([self.rows[r], MPI.BYTE], source=r, tag=_TAG_HEADER)
                       for r in range(1, size)] if root else []
-        self.sends = self._sends(_VERDICT_BYTES) if root else []
+        self.sends = self._sends(_VERDICT_BYTES, range(1, size)) if root else []
         self.replies: Dict[int, list] = {}
         self.busy = False
 
-    def _sends(self, nbytes: int) -> list:
+    def _sends(self, nbytes: int, dests) -> list:
         from mpi4py import MPI
 
-        return [self.comm.Send_init([self.reply, nbytes, MPI.BYTE], dest=r, tag=_TAG_VERDICT)
-                for r in range(1, len(self.rows))]
+        return [self.comm.Send_init([self.reply, nbytes, MPI.BYTE], dest=r, tag=_TAG_VERDICT) for r in dests]
 
     def reply_sends(self, nbytes: int) -> list:
-        """Persistent sends of the verdict and ``nbytes`` of result, to every other rank."""
+        """Persistent sends of the verdict and ``nbytes`` of result, to the fanout ranks."""
         sends = self.replies.get(nbytes)
         if sends is None:
             if len(self.replies) >= self._REPLY_SIZES:
                 self._free(r for rs in self.replies.values() for r in rs)
                 self.replies.clear()
-            sends = self.replies[nbytes] = self._sends(_VERDICT_BYTES + nbytes)
+            sends = self.replies[nbytes] = self._sends(_VERDICT_BYTES + nbytes, self.fanout)
         return sends
 
     def free(self) -> None:
@@ -497,7 +503,7 @@ def _io(group) -> CheckIO:
     """The group's CheckIO, marked busy (a private one if another thread holds it)."""
     io = group.check_io
     if io is None or io.busy:
-        io = CheckIO(group.ctl_comm, group.size, group.inband, group.rank == 0)
+        io = CheckIO(group.ctl_comm, group.size, group.inband, group.rank == 0, group.inband_fanout)
         if group.check_io is None:
             group.check_io = io
     io.busy = True

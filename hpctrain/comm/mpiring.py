@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -122,15 +122,20 @@ def inband_code(dtype_name: str, op: str):
 
 
 def inband_call(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, header: bytes, dtype_code: int,
-                op: str, tags: Tuple[int, int], clock) -> Callable[[np.ndarray, int], int]:
+                op: str, tags: Tuple[int, int], forwarded: bool, fanout: Sequence[int],
+                clock) -> Callable[[np.ndarray, int], int]:
     """The agreement check through rank 0 with a small all-reduce's data on it, in C
     (``guard.InbandCall``), with everything but the data and the sequence number bound once:
     ``call(data, seq)`` puts ``header`` (packed, its sequence word set to ``seq``) into row 0 of
     ``rows``, reduces ``data`` (C-contiguous) in place and returns 0 (agreed), -1 (the headers
     differ: rank 0 sent the mismatch verdict) or an MPI error code (raise it with ``_failed``).
-    ``clock``: the double the call keeps its start time in while it waits (``ClockedWait``)."""
+    ``clock``: the double the call keeps its start time in while it waits (``ClockedWait``);
+    ``fanout``, ``forwarded``: where an agreed reply goes, whether replies are passed on
+    (``plan.inband_fanout``)."""
+    source = MPI.ANY_SOURCE if forwarded else 0
+    ranks = np.array(fanout, dtype=np.int32)
     return functools.partial(_mpiring.inband, comm.handle, MPI.BYTE.handle, rank, size, rows, reply, header,
-                             dtype_code, OP_CODES[op], size, tags[0], tags[1], clock)
+                             dtype_code, OP_CODES[op], size, tags[0], tags[1], source, ranks, clock)
 
 
 def _failed(err: int, what: str) -> None:

@@ -188,6 +188,26 @@ class Topology:
         return self.num_nodes == 1
 
 
+def inband_fanout(topology: Topology, rank: int) -> Tuple[Tuple[int, ...], bool]:
+    """Where ``rank`` sends an agreed reply of the agreement check with a small all-reduce's
+    data on it (``guard.InbandCall``): rank 0 to the other ranks of its node and to the lowest
+    rank of every other node, which passes it on to the rest of its node, so one message per
+    node crosses the network instead of one per rank and rank 0 sends fewer. Returns (the
+    ranks this rank sends the reply to, whether replies are passed on at all: ranks other
+    than 0 then take theirs from any source). Where no other node holds two ranks, rank 0
+    sends every rank its reply, as it sends every plain verdict. A mismatch verdict always
+    goes from rank 0 to every rank (a rank in another call would not pass it on)."""
+    nodes = range(1, topology.num_nodes)
+    if not any(topology.local_size(topology.ranks_on(n)[0]) > 1 for n in nodes):
+        return (tuple(range(1, topology.size)) if rank == 0 else ()), False
+    if rank == 0:
+        return tuple(r for r in topology.ranks_on(0) if r) + tuple(topology.ranks_on(n)[0] for n in nodes), True
+    node = topology.ranks_on(topology.node_of[rank])
+    if topology.node_of[rank] != 0 and node[0] == rank:
+        return tuple(node[1:]), True
+    return (), True
+
+
 def topology_from_keys(node_keys: Sequence[object]) -> Topology:
     """Build a topology from any per-rank node identifier (hostname, leader rank…)."""
     index: Dict[object, int] = {}

@@ -17,7 +17,7 @@ from . import guard, launcher
 from .asyncq import drain
 from .errors import CommError, ElasticError, NotInitializedError, RanksLostError
 from .guard import agree, make_header
-from .plan import Topology, topology_from_keys
+from .plan import Topology, inband_fanout, topology_from_keys
 from .watchdog import Watchdog, stall_timeout
 
 # "base": the communicator the world group is built on: MPI_COMM_WORLD, or the survivors'
@@ -92,6 +92,9 @@ class Group:
         # the check is a flag exchange); from rank 0's HPCTRAIN_CHECK_INBAND_BYTES, agreed above:
         # ranks with different limits would send a call's data in different messages.
         self.inband = 0 if self.small_shm else guard.inband_limit(facts[0][1][3], self.size)
+        # where this rank sends an agreed in-band reply, and whether replies are passed on by
+        # the first rank of each node (plan.inband_fanout)
+        self.inband_fanout, self.inband_forwarded = inband_fanout(self.topology, self.rank)
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         # auto's run-time choice (collectives._tuned_allreduce_). On one node: on when every rank

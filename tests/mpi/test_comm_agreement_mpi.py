@@ -147,13 +147,15 @@ def test_a_call_on_the_check_against_a_larger_one_or_a_blocking_tensor():
     assert t.eq(N * (N + 1) / 2).all()
 
 
-@pytest.mark.parametrize("python_on", [0, "last"])
+@pytest.mark.parametrize("python_on", [0, "last", "leader"])
 def test_ranks_in_c_and_in_python_interoperate(python_on, monkeypatch):
     """The C in-band call and the Python one exchange the same messages: a rank without the C
-    path (here rank 0, which reduces, or the last rank) takes part in the same call."""
+    path (here rank 0, which reduces, the last rank, or the last node's first rank, which
+    passes agreed replies on to its node across nodes) takes part in the same call."""
     from hpctrain.comm import mpiring
 
-    p = 0 if python_on == 0 else N - 1
+    topology = WORLD.topology
+    p = {0: 0, "last": N - 1, "leader": topology.ranks_on(topology.num_nodes - 1)[0]}[python_on]
     monkeypatch.setattr(mpiring, "ENABLED", R != p)
     g = comm.new_group(list(range(N)))  # its own cache of how calls ride on the check
     try:

@@ -141,3 +141,25 @@ def test_world_size_check_catches_silent_singletons():
     check_world_size({**srun, "OMPI_COMM_WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "1"}, 4)
     # a plain python in the batch script (no step) is not checked
     check_world_size({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, 1)
+
+
+def test_an_agreed_in_band_reply_crosses_the_network_once_per_node():
+    from hpctrain.comm.plan import Topology, inband_fanout
+
+    two_by_two = Topology((0, 0, 1, 1))
+    assert inband_fanout(two_by_two, 0) == ((1, 2), True)  # its node's rank 1, node 1's first rank
+    assert inband_fanout(two_by_two, 2) == ((3,), True)  # passes it on to its node
+    assert inband_fanout(two_by_two, 1) == ((), True) and inband_fanout(two_by_two, 3) == ((), True)
+    uneven = Topology((0, 1, 0, 1, 2, 2, 2))  # nodes by lowest rank: ranks 0,2 | 1,3 | 4,5,6
+    assert inband_fanout(uneven, 0) == ((2, 1, 4), True)
+    assert inband_fanout(uneven, 1) == ((3,), True) and inband_fanout(uneven, 4) == ((5, 6), True)
+    assert inband_fanout(uneven, 2) == ((), True)  # on rank 0's node: rank 0 sends it its reply
+
+
+@pytest.mark.parametrize("node_of", [(0, 0, 0), (0, 1, 2, 3), (0, 0, 1), (0,)])
+def test_without_a_node_of_two_other_than_rank_0s_rank_0_replies_to_every_rank(node_of):
+    from hpctrain.comm.plan import Topology, inband_fanout
+
+    topology = Topology(node_of)
+    assert inband_fanout(topology, 0) == (tuple(range(1, len(node_of))), False)
+    assert all(inband_fanout(topology, r) == ((), False) for r in range(1, len(node_of)))

@@ -17,6 +17,7 @@ except ImportError as exc:  # optional extension: pip install succeeds without a
                  module_level=True)
 
 F32 = DTYPE_CODES["float32"]
+NO_RANKS = np.zeros(0, np.int32)  # the in-band call's fanout: none
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -206,7 +207,7 @@ def test_the_in_band_call_holds_its_start_time_while_it_waits_and_clears_it(fake
     rows, reply, header = np.zeros((1, 56 + 16), np.uint8), np.zeros(32, np.uint8), bytes(range(56))
     x = np.arange(4, dtype=np.float32)
     before = time.monotonic()
-    err = _mpiring.inband(1, 1, 1, 2, rows, reply, header, F32, 0, 2, 101, 102, clock, x, 7)
+    err = _mpiring.inband(1, 1, 1, 2, rows, reply, header, F32, 0, 2, 101, 102, 0, NO_RANKS, clock, x, 7)
     after = time.monotonic()
     assert err == 0 and x.tolist() == [10, 20, 30, 40]
     assert rows[0, :8].view(np.int64)[0] == 7 and bytes(rows[0, 8:56]) == header[8:]  # the sequence put in
@@ -218,4 +219,4 @@ def test_the_in_band_call_holds_its_start_time_while_it_waits_and_clears_it(fake
 def test_the_in_band_call_refuses_a_clock_it_cannot_hold_a_double_in():
     with pytest.raises(ValueError, match="clock"):
         _mpiring.inband(1, 1, 1, 2, np.zeros((1, 72), np.uint8), np.zeros(32, np.uint8), bytes(56), F32, 0, 2,
-                        101, 102, bytearray(4), np.zeros(4, np.float32), 7)
+                        101, 102, 0, NO_RANKS, bytearray(4), np.zeros(4, np.float32), 7)
