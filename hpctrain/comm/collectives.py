@@ -617,9 +617,9 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
     if deciding:
         if g.tuner is None:
             g.tuner = tuning.Tuner()
-        name, calls = g.tuner.choose_run(key, candidates, TUNED_RUN_CALLS)
-        if not (name == "shm" or not _CHECKS.on):
-            calls = 1  # other algorithms check agreement in this exchange, every call
+        # other algorithms than the piped path check agreement in this exchange, every call:
+        # they run call by call (and so count down the tuner's interval call by call)
+        name, calls = g.tuner.choose_run(key, candidates, TUNED_RUN_CALLS, None if not _CHECKS.on else _RUNNABLE)
         choice[0] = 1 + candidates.index(name) + _RUN_SHIFT * (min(max(calls, 1), TUNED_RUN_CALLS) - 1)
     else:
         choice[0] = 0
@@ -638,6 +638,7 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
 
 
 _RUN_SHIFT = 64  # choice value = candidate number + _RUN_SHIFT × (calls of the run − 1)
+_RUNNABLE = ("shm",)  # with the check on, only the piped path runs in runs (its first flag checks)
 
 
 def _exchange_failed(g: Group, x: np.ndarray, op: str, status: int, dog, shape=None) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Sequence, Tuple
+from typing import Collection, Dict, Hashable, Optional, Sequence, Tuple
 
 from .. import settings
 
@@ -139,15 +139,19 @@ class Tuner:
             return self._ran(sc, best)
         return self._start_trial(sc, challenger)
 
-    def choose_run(self, key: Hashable, candidates: Sequence[str], max_calls: int) -> Tuple[str, int]:
+    def choose_run(self, key: Hashable, candidates: Sequence[str], max_calls: int,
+                   runnable: Optional[Collection[str]] = None) -> Tuple[str, int]:
         """The candidate for the next calls of class ``key``, and for how many calls (1 to
         ``max_calls``) it stands whatever their timings: the rest of the best's interval
         before the next trial (trials and first tries run call by call, so that a bad one
         can end after its first call). The caller reports every call with ``record``. Lets
-        the caller send its choice to the other ranks once per run instead of every call."""
+        the caller send its choice to the other ranks once per run instead of every call.
+        ``runnable``: the candidates the caller runs in runs (None: all); another is chosen
+        call by call, and its calls count down the interval one by one."""
         name = self.choose(key, candidates)
         sc = self.classes[key]
-        if sc.trial_left or name == sc.trial or name != sc.best or max_calls <= 1:
+        if (sc.trial_left or name == sc.trial or name != sc.best or max_calls <= 1
+                or (runnable is not None and name not in runnable)):
             return name, 1
         calls = 1 + min(sc.countdown, max_calls - 1)
         sc.countdown -= calls - 1

@@ -351,9 +351,11 @@ class CyclingTuner:
         self.timings = []
         self.decisions = 0
 
-    def choose_run(self, key, candidates, max_calls):
+    def choose_run(self, key, candidates, max_calls, runnable=None):
         name = candidates[self.decisions % len(candidates)]
         calls = min(self.RUNS[self.decisions % len(self.RUNS)], max_calls)
+        if runnable is not None and name not in runnable:
+            calls = 1
         self.decisions += 1
         self.ran.append(name)
         return name, calls
