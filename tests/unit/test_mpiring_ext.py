@@ -2,6 +2,8 @@
 loaded, the size-1 and empty cases, and the arguments it refuses. The ring itself runs
 under mpiexec (tests/mpi/test_comm_collectives.py, both rings, 1–4 ranks)."""
 
+import array
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -195,7 +197,6 @@ def test_the_in_band_call_holds_its_start_time_while_it_waits_and_clears_it(fake
     """Rank 1 of 2: its row goes out, rank 0's reply (verdict 0, the sum) comes in. While it
     waits, the clock holds the monotonic time it began (what the stall watchdog reads, with
     no Python around the call); after, 0."""
-    import array
     import time
 
     reply_in = np.zeros(16 + 16, np.uint8)
@@ -220,3 +221,10 @@ def test_the_in_band_call_refuses_a_clock_it_cannot_hold_a_double_in():
     with pytest.raises(ValueError, match="clock"):
         _mpiring.inband(1, 1, 1, 2, np.zeros((1, 72), np.uint8), np.zeros(32, np.uint8), bytes(56), F32, 0, 2,
                         101, 102, 0, NO_RANKS, bytearray(4), np.zeros(4, np.float32), 7)
+
+
+@pytest.mark.parametrize("fanout", [np.zeros(2, np.int32), np.zeros(3, np.uint8)])
+def test_the_in_band_call_refuses_a_fanout_of_all_ranks_or_not_of_int32(fanout):
+    with pytest.raises(ValueError, match="fanout"):  # rank 1 of 2 passes on to at most 1 rank
+        _mpiring.inband(1, 1, 1, 2, np.zeros((1, 72), np.uint8), np.zeros(32, np.uint8), bytes(56), F32, 0, 2,
+                        101, 102, 0, fanout, array.array("d", [0.0]), np.zeros(4, np.float32), 7)
