@@ -288,10 +288,10 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  *   16 + len(data) bytes. data: this rank's data, reduced in place. fanout (int32 ranks,
  *   plan.inband_fanout): where this rank sends an agreed reply (rank 0; a mismatch verdict
  *   goes to every rank) or passes it on (a node's first rank); source: whom the others
- *   receive the reply from (0, or MPI_ANY_SOURCE where replies are passed on). clock: a double that holds
- *   the monotonic time (Python's time.monotonic) the messages were posted while the call
- *   waits, 0.0 otherwise: the stall watchdog's thread reads it (watchdog.ClockedWait), so the
- *   call needs no Python around it to be watched. */
+ *   receive the reply from (0, or MPI_ANY_SOURCE where replies are passed on). clock: a
+ *   double that holds the monotonic time (Python's time.monotonic) the messages were posted
+ *   while the call waits, 0.0 otherwise: the stall watchdog's thread reads it
+ *   (watchdog.ClockedWait), so the call needs no Python around it to be watched. */
 typedef struct {
     uintptr_t comm, byte;
     int rank, size, dtype, op, tag_header, tag_verdict, source;

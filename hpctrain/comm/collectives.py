@@ -21,7 +21,7 @@ from .adasum import grouped_adasum_  # noqa: F401 - public through hpctrain.comm
 from .errors import CollectiveMismatchError, CommError
 from .world import Group, resolve, watchdog
 from .world import _state as _world_state
-from .watchdog import translated
+from .watchdog import raise_translated
 
 
 def _sync_start(group: Optional[Group]) -> Group:
@@ -336,7 +336,7 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
                 checked = _checked_native(g, dtype, nbytes, (op, name, count, route.algorithm, 0, route.auto))
                 inband = checked[1]
                 entry.inband = inband if inband is not None and inband.run is not None else None
-                if _NativeCall.plain(op, name):
+                if _NativeCall.plain(op, dtype):
                     entry.native = _NativeCall(g, op, name, count, route.algorithm)
     _cache(g, (nbytes, dtype, op), entry)
     return entry
@@ -358,9 +358,9 @@ class _NativeCall:
         self.run = functools.partial(g.comm.Allreduce, MPI.IN_PLACE, op=algorithms._mpi_op(op, dtype_name))
 
     @staticmethod
-    def plain(op: str, dtype_name: str) -> bool:
+    def plain(op: str, dtype: np.dtype) -> bool:
         """Whether ``native_`` is one MPI_Allreduce (not float min/max: NaN takes a second one)."""
-        return op not in ("min", "max") or np.dtype(dtype_name).kind != "f"
+        return op not in ("min", "max") or dtype.kind != "f"
 
     def __call__(self, x: np.ndarray) -> None:
         g = self.group
@@ -370,10 +370,7 @@ class _NativeCall:
         try:
             self.run(x)
         except Exception as exc:
-            lost = translated(exc)
-            if lost is exc:
-                raise
-            raise lost from exc
+            raise_translated(exc)
         finally:
             clock[0] = 0.0
         if self.average:

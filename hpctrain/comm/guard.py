@@ -28,7 +28,7 @@ from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
 from .plan import ALGORITHMS
-from .watchdog import translated
+from .watchdog import raise_translated
 
 _TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
 HEADER_LEN = 7
@@ -343,10 +343,7 @@ class InbandCall:
             try:
                 _mpiring()._failed(err, "the agreement check (with a small all-reduce's data)")
             except Exception as exc:
-                lost = translated(exc)
-                if lost is exc:
-                    raise
-                raise lost from exc
+                raise_translated(exc)
         headers = self.io.headers.copy() if self.group.rank == 0 else None
         _mismatched(self.group, headers, self.dog, shape, self.what)
 

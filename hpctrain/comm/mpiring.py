@@ -141,7 +141,7 @@ def inband_call(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray,
 def _failed(err: int, what: str) -> None:
     """Raise for MPI error ``err`` of a C call (``what``)."""
     if MPI.Get_error_class(err) in faults.failure_classes():  # elastic jobs: a lost peer, not a bug
-        raise MPI.Exception(err)  # the watched wait around the call makes it RanksLostError
+        raise MPI.Exception(err)  # the caller's watched wait (or watchdog.raise_translated) makes it RanksLostError
     raise CommError(f"{what} failed in MPI: {MPI.Get_error_string(err)} (error {err}).\n"
                     "HINT: if it works with HPCTRAIN_RING_C=0 (Python instead of C), report it")
 

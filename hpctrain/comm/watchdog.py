@@ -78,6 +78,15 @@ def translated(exc: BaseException) -> BaseException:
     return exc if lost is None else lost
 
 
+def raise_translated(exc: BaseException) -> None:
+    """Raise ``exc`` (caught around a blocking call outside a ``watch``) as the watched wait
+    would have: the RanksLostError ``translated`` makes of it, else ``exc`` itself."""
+    lost = translated(exc)
+    if lost is exc:
+        raise exc
+    raise lost from exc
+
+
 class ClockedWait:
     """A standing wait for a blocking call in C that times itself: while it waits,
     ``clock[0]`` holds the monotonic time (``time.monotonic``) it began, 0.0 otherwise. Made
