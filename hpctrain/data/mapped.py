@@ -207,22 +207,23 @@ class MappedKey:
             row = stop
             s += 1
 
-    def fill_tasks(self, lo: int, hi: int, out: np.ndarray) -> List[Callable[[], None]]:
-        """Tasks that ``preadv`` rows ``[lo, hi)`` into the C-contiguous ``out`` (``hi - lo``
-        rows), one per piece stored back to back."""
+    def fill_calls(self, lo: int, hi: int, out: np.ndarray) -> List[SizedCall]:
+        """Calls that ``preadv`` rows ``[lo, hi)`` into the C-contiguous ``out`` (``hi - lo``
+        rows), one per piece stored back to back; :func:`packed` makes them tasks."""
         dst = out.reshape(hi - lo, -1).view(np.uint8)
-        return [functools.partial(self._guarded, pread_into, self.fd, dst[a - lo:b - lo], offset)
+        return [((b - a) * self.row_bytes, functools.partial(self._guarded, pread_into, self.fd, dst[a - lo:b - lo], offset))
                 for a, b, offset in self.pieces(lo, hi)]
 
-    def scatter_tasks(self, lo: int, hi: int, out: np.ndarray, dest: np.ndarray) -> List[Callable[[], None]]:
-        """Tasks that read rows ``[lo, hi)`` and put row ``lo + r`` at row ``dest[r]`` of the
+    def scatter_calls(self, lo: int, hi: int, out: np.ndarray, dest: np.ndarray) -> List[SizedCall]:
+        """Calls that read rows ``[lo, hi)`` and put row ``lo + r`` at row ``dest[r]`` of the
         C-contiguous ``out`` (``dest[r] < 0``: not read): a shuffled window read with one copy,
         ``preadv`` scattering rows to their places. Needs :mod:`hpctrain.data._codecs`."""
         from hpctrain.data import _codecs
 
         dst = out.reshape(len(out), -1).view(np.uint8)
-        return [functools.partial(self._guarded, _codecs.pread_rows, self.fd, offset, self.row_bytes,
-                                  dest[a - lo:b - lo], dst)
+        return [((b - a) * self.row_bytes,
+                 functools.partial(self._guarded, _codecs.pread_rows, self.fd, offset, self.row_bytes,
+                                   dest[a - lo:b - lo], dst))
                 for a, b, offset in self.pieces(lo, hi)]
 
     def _guarded(self, fn: Callable, *args) -> None:
@@ -258,6 +259,37 @@ def map_dataset(dset: h5py.Dataset, mf: MappedFile) -> Tuple[Optional[MappedKey]
 
 
 TASK_BYTES = 1 << 20  # copy tasks of about this size: a waiting consumer can take a share
+
+
+SizedCall = Tuple[int, Callable[[], None]]  # (bytes it copies, the call)
+
+
+def packed(calls: Sequence[SizedCall]) -> List[Callable[[], None]]:
+    """Consecutive calls joined into tasks of about :data:`TASK_BYTES`. A task costs a claim
+    under the job's lock and a GIL hand-over between the threads sharing the job: more than
+    reading one chunk of a narrow key (8 KiB of labels), and two threads writing 8-byte
+    labels to neighbouring places would share cache lines."""
+    tasks: List[Callable[[], None]] = []
+    group: List[Callable[[], None]] = []
+    size = 0
+    for nbytes, call in calls:
+        group.append(call)
+        size += nbytes
+        if size >= TASK_BYTES:
+            tasks.append(_joined(group))
+            group, size = [], 0
+    if group:
+        tasks.append(_joined(group))
+    return tasks
+
+
+def _joined(calls: List[Callable[[], None]]) -> Callable[[], None]:
+    return calls[0] if len(calls) == 1 else functools.partial(_run_each, tuple(calls))
+
+
+def _run_each(calls: Tuple[Callable[[], None], ...]) -> None:
+    for call in calls:
+        call()
 
 
 class CopyJob:

@@ -478,10 +478,13 @@ def test_lzf_every_truncation_of_a_real_chunk(tmp_path):
         assert out[:n].tobytes() == full[:n].tobytes()
 
 
-def test_pread_rows_scatters_file_rows_to_their_places(tmp_path):
-    """Row r of a file range lands at row index[r] of dst (negative: skipped, not read), over
-    more rows than one preadv takes (IOV_MAX), merged stretches, and a short file."""
-    rows, width = 5000, 12
+@pytest.mark.parametrize("rows, width", [
+    (3000, 300),   # an iovec per row: more rows than one preadv takes (IOV_MAX = 1024)
+    (12000, 12),   # narrow rows, read 64 KiB at a time and copied: more than two stretches
+])
+def test_pread_rows_scatters_file_rows_to_their_places(tmp_path, rows, width):
+    """Row r of a file range lands at row index[r] of dst (negative: skipped, not copied), over
+    more rows than one read takes, merged stretches, and a short file."""
     data = np.arange(rows * width, dtype=np.uint8).reshape(rows, width)  # wraps: fine, still distinct per row
     data[:, 0] = np.arange(rows) % 251
     data[:, 1] = np.arange(rows) // 251
@@ -494,6 +497,7 @@ def test_pread_rows_scatters_file_rows_to_their_places(tmp_path):
         dst_index = np.full(rows, -1, np.int64)
         dst_index[stretch] = np.arange(1000, 1200)  # consecutive in file and dst: one iovec
         others = np.flatnonzero(~stretch & (rng.random(rows) > 0.1))  # ~10% not needed
+        others = others[others < rows - 3]  # the last rows not needed either
         free = np.setdiff1d(np.arange(rows), np.arange(1000, 1200))
         dst_index[others] = rng.permutation(free)[:len(others)]
         keep = dst_index >= 0

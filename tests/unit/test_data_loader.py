@@ -230,6 +230,28 @@ def test_held_batches_are_never_overwritten(three_files, shuffle, prefetch):
         assert np.array_equal(real, np.arange(n))
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_window_arrays_are_kept_from_one_epoch_to_the_next(three_files, prefetch):
+    """A later epoch reads into the window arrays of the first (no fresh memory to fault
+    in); a pickled copy (a DataLoader worker) and close() start without them."""
+    import pickle
+
+    paths, n = three_files
+    ds = HDF5Dataset(paths, ["x", "y"], 4, rank=0, world_size=1, prefetch=prefetch, window_bytes=100, block_bytes=1)
+    collect(ds)
+    arrays = [a for sets in ds._window_pool[1].sets for a in sets.values()]
+    assert arrays
+    ds.set_epoch(1)
+    ids, masks = collect(ds)
+    assert sorted(ids[masks].tolist()) == list(range(n))
+    again = [a for sets in ds._window_pool[1].sets for a in sets.values()]
+    assert all(any(a is b for b in again) for a in arrays)  # the first epoch's arrays, reused
+    assert len(ds._window_pool[1].sets) <= prefetch + 3
+    assert pickle.loads(pickle.dumps(ds))._window_pool is None
+    ds.close()
+    assert ds._window_pool is None
+
+
 def test_block_shuffle_batches_are_contiguous_runs(tmp_path):
     p = make_file(tmp_path / "b.h5", 4096, chunk=256)
     ds = HDF5Dataset(p, ["x", "y"], 64, rank=0, world_size=1, shuffle="block", block_bytes=1)

@@ -157,6 +157,23 @@ def test_copy_job_shared_by_two_threads_and_errors():
     CopyJob([]).wait()  # nothing to copy: done at once
 
 
+def test_packed_joins_small_calls_into_tasks_of_about_task_bytes():
+    from hpctrain.data.mapped import TASK_BYTES, packed
+
+    done = []
+    small = [(8192, lambda i=i: done.append(i)) for i in range(300)]  # a label key's chunks
+    tasks = packed(small)
+    per = TASK_BYTES // 8192
+    assert len(tasks) == -(-300 // per)
+    for task in tasks:
+        task()
+    assert done == list(range(300))  # each call once, in order
+    done.clear()
+    big = [(2 * TASK_BYTES, lambda i=i: done.append(i)) for i in range(3)]
+    assert len(packed(big)) == 3  # a call of a task's size or more stays a task of its own
+    assert packed([]) == []
+
+
 def test_read_error_of_a_mapped_key_reaches_the_consumer(tmp_path, monkeypatch):
     import hpctrain.data.mapped as M
 
