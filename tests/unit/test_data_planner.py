@@ -178,6 +178,39 @@ def test_window_sort_orders_each_window():
         plan_epoch([1000], 2, 1, 10, window_order="random")
 
 
+def test_window_shuffle_splits_each_window_into_ascending_batches():
+    p = plan_epoch([1000], 2, 1, 10, seed=4, epoch=3, block_rows=7, window_steps=5)
+    q = plan_epoch([1000], 2, 1, 10, seed=4, epoch=3, block_rows=7)
+    for w in range(0, len(p.indices), 50):
+        assert sorted(p.indices[w:w + 50].tolist()) == sorted(q.indices[w:w + 50].tolist())
+        place = {int(i): k for k, i in enumerate(q.indices[w:w + 50])}  # the window's order
+        for b in range(w, w + 50, 10):
+            assert np.all(np.diff([place[int(i)] for i in p.indices[b:b + 10]]) > 0)
+    assert not np.array_equal(p.indices, q.indices)
+    again = plan_epoch([1000], 2, 1, 10, seed=4, epoch=3, block_rows=7, window_steps=5)
+    assert np.array_equal(p.indices, again.indices)  # reproducible from (seed, epoch, rank)
+
+
+@pytest.mark.parametrize("rows, batch", [(12, 3), (70_000, 7)])  # uint16 and int64 positions
+def test_random_split_is_a_uniform_split_into_sorted_batches(rows, batch):
+    from hpctrain.data.planner import _random_split
+
+    windows = 6000 if rows < 100 else 2
+    split = _random_split(np.random.default_rng(1), windows, rows, batch)
+    assert split.shape == (windows, rows) and split.dtype == np.int64
+    assert np.array_equal(np.sort(split, axis=1), np.broadcast_to(np.arange(rows), split.shape))
+    assert np.all(np.diff(split.reshape(windows, -1, batch), axis=2) > 0)
+    if rows < 100:
+        # Position 0 is in each batch equally often, and shares its batch with position 1
+        # with probability (batch - 1) / (rows - 1); 6000 draws: a few % of noise.
+        where0 = np.argmax(split == 0, axis=1) // batch
+        where1 = np.argmax(split == 1, axis=1) // batch
+        share = np.bincount(where0, minlength=rows // batch) / windows
+        assert np.all(np.abs(share - batch / rows) < 0.03), share
+        together = np.mean(where0 == where1)
+        assert abs(together - (batch - 1) / (rows - 1)) < 0.03, together
+
+
 @st.composite
 def stratified_setups(draw):
     world = draw(st.integers(1, 5))
