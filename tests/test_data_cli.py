@@ -103,6 +103,10 @@ def test_bench_data_runs(tmp_path):
     }
     assert all(x["samples_per_s"] > 0 and x["cpu_s_per_GB"] > 0 for x in records)
     assert "| CPU s/GB |" in r.stdout
+    loaders = [x for x in records if x["method"].startswith("loader")]
+    assert all(x["first_epoch_s"] > 0 and x["epoch_s"] > 0 for x in loaders)  # a loader's first epoch, apart
+    assert all(x["first_epoch_s"] is None for x in records if not x["method"].startswith("loader"))
+    assert "none, loader, shuffle=window: first epoch of a new loader" in r.stdout
     # A second run reuses the generated files.
     files = sorted(p.name for p in Path(tmp_path).glob("bench-*.h5"))
     assert len(files) == 2
