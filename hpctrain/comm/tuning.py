@@ -10,8 +10,10 @@ is right in both, so ``auto`` measures.
 
 How: the group's local rank 0 keeps, per message-size class, an estimate of each candidate's
 time (a moving average of its own timings) and picks the best; now and then it gives another
-candidate a short trial again, more rarely the worse that one was last time, so a change of
-state is seen within a few hundred calls at most and exploring costs a few per cent. A trial
+candidate a short trial again, more rarely the worse that one was last time and the more
+trials in a row it has lost (the interval doubles with each, up to EXPLORE_MAX), so a change
+of state is seen within a few hundred calls at most and exploring costs a few per cent at
+first, well under one per cent once the loser has lost a few trials. A trial
 clearly slower on its first believed call ends there (CUT_RATIO); the running best gives way
 only to a candidate clearly faster (SWITCH_MARGIN), so two within the noise do not trade places. The choice travels to
 every rank with the agreement check (``collectives``), so all ranks run the same algorithm.
@@ -28,7 +30,8 @@ from .. import settings
 
 # How often the best candidate is challenged: every EXPLORE_EVERY calls while the others were
 # last measured close to it, up to every EXPLORE_MAX calls for a candidate measured 4× slower
-# (the interval grows with the square of the last measured ratio). A challenge is a trial of
+# (the interval grows with the square of the last measured ratio, and doubles with each trial
+# after the first that the challenger has lost in a row). A challenge is a trial of
 # TRIAL_CALLS calls in a row.
 EXPLORE_EVERY = 32
 EXPLORE_MAX = 512
@@ -65,6 +68,7 @@ class Arm:
     last_trial: int = -1  # call index where its last trial began
     fresh: bool = True  # the next kept timing replaces the estimate (a new trial)
     kept: int = 0  # timings averaged into the estimate in the current trial
+    losses: int = 0  # its trials lost in a row against the same best
 
 
 @dataclass
@@ -127,15 +131,20 @@ class Tuner:
         untried = [n for n in sc.candidates if math.isinf(sc.arms[n].estimate)]
         if untried:
             return self._start_trial(sc, untried[0])
-        best = sc.best = self._leader(sc)
+        best = self._leader(sc)
+        if best != sc.best:
+            self._new_best(sc, best)
         others = [n for n in sc.candidates if n != best]
         if not others:
             sc.countdown = 1 << 62
             return self._ran(sc, best)
         challenger = min(others, key=lambda n: sc.arms[n].last_trial)
         if sc.trial:  # a trial just ended: the best runs for an interval before the next
+            loser = sc.arms[sc.trial]
+            loser.losses = loser.losses + 1 if sc.trial != best else 0
             sc.trial = ""
-            sc.countdown = self.interval(sc.arms[best].estimate, sc.arms[challenger].estimate) - 1
+            arm = sc.arms[challenger]
+            sc.countdown = self.interval(sc.arms[best].estimate, arm.estimate, arm.losses) - 1
             return self._ran(sc, best)
         return self._start_trial(sc, challenger)
 
@@ -183,7 +192,7 @@ class Tuner:
         if name == sc.best and not sc.trial_left:
             for other in sc.candidates:  # the running best got clearly slower than another: switch now
                 if sc.arms[other].estimate < (1 - SWITCH_MARGIN) * arm.estimate:
-                    sc.best = self.best(key)
+                    self._new_best(sc, self.best(key))
                     sc.countdown = self.interval(sc.arms[sc.best].estimate, arm.estimate)
                     break
 
@@ -205,12 +214,14 @@ class Tuner:
         sc = self.classes[key]
         return {n: sc.arms[n].estimate for n in sc.candidates}
 
-    def interval(self, best_estimate: float, other_estimate: float) -> int:
-        """Calls between two trials: ``explore_every`` × (other / best)², capped."""
+    def interval(self, best_estimate: float, other_estimate: float, losses: int = 0) -> int:
+        """Calls between two trials: ``explore_every`` × (other / best)², doubled for each
+        trial the other has lost in a row after its first, capped at ``explore_max``."""
         if not best_estimate > 0 or math.isinf(other_estimate):
             return self.explore_every
         ratio = max(1.0, other_estimate / best_estimate)
-        return int(min(self.explore_max, max(self.explore_every, self.explore_every * ratio * ratio)))
+        backoff = 2.0 ** min(max(0, losses - 1), 16)
+        return int(min(self.explore_max, max(self.explore_every, self.explore_every * ratio * ratio) * backoff))
 
     def counts(self) -> Dict[Hashable, Dict[str, int]]:
         """Calls that ran each candidate, per key (for reports and benchmarks)."""
@@ -221,6 +232,14 @@ class Tuner:
         if sc is None or sc.candidates != tuple(candidates):
             sc = self.classes[key] = SizeClass(tuple(candidates))
         return sc
+
+    @staticmethod
+    def _new_best(sc: SizeClass, name: str) -> None:
+        """Another candidate runs between trials: the machine's state changed, so every
+        candidate's losing streak starts again (full-rate trials find the next change soon)."""
+        sc.best = name
+        for arm in sc.arms.values():
+            arm.losses = 0
 
     def _start_trial(self, sc: SizeClass, name: str) -> str:
         sc.trial, sc.trial_left = name, self.trial_calls - 1

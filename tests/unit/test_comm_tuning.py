@@ -78,6 +78,25 @@ def test_follows_a_change_of_machine_state_both_ways():
     assert after.count("shm") > 0.9 * len(after)
 
 
+def test_a_challenger_that_keeps_losing_is_tried_ever_more_rarely_until_the_state_changes():
+    # the piped path steadily 10% slower (its trials run whole), then 20% faster from call 6000
+    tuner = tuning.Tuner()
+    ran, _ = drive(tuner, lambda i: {"shm": 1.1 if i < 6000 else 0.8, "native": 1.0}, 9000)
+    trials = trial_starts(ran, since=tuning.LEARNING_CALLS)
+    before = [t for t in trials if t < 6000]
+    gaps = [b - a for a, b in zip(before, before[1:])]
+    base = tuner.interval(1.0, 1.1) + tuning.TRIAL_CALLS
+    assert gaps[0] < 1.5 * base  # the first loss: the usual interval
+    assert all(b > 1.6 * a for a, b in zip(gaps, gaps[1:]) if b < tuning.EXPLORE_MAX)  # then doubling
+    assert max(gaps) <= tuning.EXPLORE_MAX + tuning.TRIAL_CALLS + 1  # capped
+    assert ran[3000:6000].count("shm") < 0.015 * 3000  # 1% (one trial per EXPLORE_MAX); 11% without the back-off
+    # the next trial after the change (within EXPLORE_MAX calls) wins, and native, now the
+    # loser, is challenged at the usual rate again: its losing streak starts from nothing
+    assert ran[6000 + tuning.EXPLORE_MAX + 20:7500].count("shm") > 0.9 * (1500 - tuning.EXPLORE_MAX - 20)
+    native = [t for t in trial_starts(ran, name="native", since=6000)]
+    assert len(native) >= 3 and native[1] - native[0] < 1.5 * (tuner.interval(0.8, 1.0) + tuning.TRIAL_CALLS)
+
+
 def test_the_first_call_after_a_switch_is_not_believed():
     # a challenger whose first call pays a large switching cost is still judged on its speed
     tuner = tuning.Tuner()
@@ -169,7 +188,7 @@ def test_a_challenger_clearly_slower_on_its_first_believed_call_is_cut_there():
     tuner = tuning.Tuner()
     ran, total = drive(tuner, lambda i: {"shm": 1.45, "native": 1.0}, 3000)
     trials = trial_starts(ran)
-    assert len(trials) >= 10
+    assert len(trials) >= 6  # fewer and fewer: each lost trial doubles the interval
     # after learning, a trial is the switch call and one believed call, not TRIAL_CALLS
     assert all(ran[i + 2] == "native" for i in trials[1:])
     assert total / 3000 < 1.02
