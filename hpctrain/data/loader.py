@@ -445,7 +445,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         if not direct:
             starts = np.array([self.offsets[fi] + r0 for fi, r0, _ in runs], np.int64)
             run = np.searchsorted(starts, ids, side="right") - 1
-            gather_rows = where[run] + (ids - starts[run])
+            gather_rows = ids + (where - starts)[run]
             sparse = total > 2 * len(ids)  # e.g. strided ids: runs hold mostly unused rows
             if SCATTER and not sparse:
                 # Where each row of the runs goes in the window (-1: not needed). A row needed
@@ -453,9 +453,11 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 dest = np.full(total, -1, np.int64)
                 positions = np.arange(len(ids), dtype=np.int64)
                 dest[gather_rows] = positions
-                first = dest[gather_rows]
-                repeats = np.flatnonzero(first != positions)
-                repeat_src = first[repeats]
+                repeats = repeat_src = positions[:0]
+                if np.count_nonzero(dest >= 0) < len(ids):  # some id twice
+                    first = dest[gather_rows]
+                    repeats = np.flatnonzero(first != positions)
+                    repeat_src = first[repeats]
         reads: List[Callable[[], None]] = []
         shuffles: List[Callable[[], None]] = []
         hdf5_keys = []

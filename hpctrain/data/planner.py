@@ -77,6 +77,8 @@ def global_offsets(counts: Sequence[int]) -> np.ndarray:
 def locate(global_ids: np.ndarray, offsets: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Map global sample ids to (file number, row within that file)."""
     ids = np.asarray(global_ids, dtype=np.int64)
+    if len(offsets) == 2:  # one file (the common case: a window's bookkeeping runs this thrice)
+        return np.zeros(len(ids), np.int64), ids - offsets[0]
     files = np.searchsorted(offsets, ids, side="right") - 1
     return files, ids - offsets[files]
 
@@ -434,10 +436,10 @@ def read_runs(global_ids: np.ndarray, offsets: np.ndarray, max_gap: int = 0, asc
     if ids.size == 0:
         return []
     if not ascending:
-        ids = np.sort(ids)
-        ids = ids[np.concatenate([[True], ids[1:] != ids[:-1]])]  # unique (np.unique hashes: slower)
+        ids = np.sort(ids)  # repeated ids need no removing: a step of 0 never starts a new read
     files, rows = locate(ids, offsets)
-    breaks = np.flatnonzero((np.diff(ids) > max_gap + 1) | (np.diff(files) != 0)) + 1
+    far = np.diff(ids) > max_gap + 1
+    breaks = np.flatnonzero(far if len(offsets) == 2 else far | (np.diff(files) != 0)) + 1
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(ids)]])
     return [(int(files[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]

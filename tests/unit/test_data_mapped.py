@@ -71,6 +71,29 @@ def test_layouts_that_map(tmp_path):
     check_mapping(c, "x")
 
 
+def test_gather_reads_long_runs_with_preadv_and_gathers_the_rest(tmp_path):
+    """Block order over interleaved chunks: every label chunk (2 KiB) is a run of its own
+    (the view's rows jump between chunks), read with preadv; isolated rows are gathered."""
+    from hpctrain.data import mapped
+
+    q = interleaved(tmp_path / "i.h5", n=8192, chunk=512, slab=1024)
+    with h5py.File(q, "r") as f:
+        y = f["y"][...]
+        mk, why = map_dataset(f["y"], open_map(q))
+        assert mk is not None, why
+        blocks = np.concatenate([np.arange(4096, 6144), np.arange(0, 1024)])  # a block order
+        strided = np.arange(3, 8192, 7)  # sparse: no run long enough
+        mixed = np.concatenate([np.arange(1000, 1600), strided[300:350]])
+        for ids, want in ((blocks, {mapped.pread_into}), (strided, {np.take}), (mixed, {mapped.pread_into, np.take})):
+            out = np.empty(len(ids), y.dtype)
+            tasks = mapped.gather_tasks([mk], np.zeros(len(ids), np.int64), ids, out)
+            assert {fn for task in tasks for fn, _ in task.args[0]} == want
+            for task in tasks:
+                task()
+            assert np.array_equal(out, y[ids])
+        mk.release()
+
+
 def test_layouts_that_do_not_map(tmp_path):
     p = str(tmp_path / "b.h5")
     x, _ = rows(100)

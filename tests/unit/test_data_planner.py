@@ -140,6 +140,13 @@ def test_global_index_across_files():
     assert files.tolist() == [0, 0, 2, 2] and rows.tolist() == [0, 2, 0, 4]
     assert read_runs(np.array([7, 0, 1, 2, 3, 5]), offsets) == [(0, 0, 3), (2, 0, 1), (2, 2, 3), (2, 4, 5)]
     assert read_runs(np.array([3, 5, 7]), offsets, max_gap=1) == [(2, 0, 5)]
+    # repeated ids (padding) read once; one file takes the shortcut, same answers
+    assert read_runs(np.array([7, 7, 0, 1, 1, 2, 3, 5, 0]), offsets) == [(0, 0, 3), (2, 0, 1), (2, 2, 3), (2, 4, 5)]
+    one = global_offsets([10])
+    assert read_runs(np.array([9, 1, 1, 2, 2, 6, 0]), one) == [(0, 0, 3), (0, 6, 7), (0, 9, 10)]
+    assert read_runs(np.array([9, 1, 1, 2, 2, 6, 0]), one, max_gap=2) == [(0, 0, 3), (0, 6, 10)]
+    files, rows = locate(np.array([0, 4, 9]), one)
+    assert files.tolist() == [0, 0, 0] and rows.tolist() == [0, 4, 9]
 
 
 def test_apportion():
