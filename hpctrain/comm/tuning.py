@@ -15,7 +15,9 @@ trials in a row it has lost (the interval doubles with each, up to EXPLORE_MAX),
 of state is seen within a few hundred calls at most and exploring costs a few per cent at
 first, well under one per cent once the loser has lost a few trials. A trial
 clearly slower on its first believed call ends there (CUT_RATIO); the running best gives way
-only to a candidate clearly faster (SWITCH_MARGIN), so two within the noise do not trade places. The choice travels to
+only to a candidate clearly faster (SWITCH_MARGIN), so two within the noise do not trade places; when
+its average rises clearly above another's estimate, that one gets a trial at once, and a
+single slow call moves the average only so far (STEP_LIMIT). The choice travels to
 every rank with the agreement check (``collectives``), so all ranks run the same algorithm.
 
 Pure: no MPI, no clocks; the caller times the calls and reports them with ``record``.
@@ -52,6 +54,11 @@ CUT_RATIO = 1.25
 # either candidate alone).
 SWITCH_MARGIN = 0.08
 WEIGHT = 0.3  # weight of the newest timing in the running candidate's estimate
+# The most one timing of the running best counts, as a multiple of its estimate: single calls
+# here take 2-3x their usual time every few dozen calls (the host's other work), and a lone
+# 2.5x call would lift the estimate by 45% and set off a challenge. Capped at 1.5x, a state 4x
+# slower still shows within four calls.
+STEP_LIMIT = 1.5
 
 
 def enabled() -> bool:
@@ -82,6 +89,7 @@ class SizeClass:
     trial_left: int = 0  # calls of that trial still to run
     previous: str = ""  # candidate the call before ran
     switched: bool = True  # this call runs another candidate than the one before
+    challenger: str = ""  # tried next, at once: the running best's average rose above its estimate
 
     def __post_init__(self) -> None:
         for name in self.candidates:
@@ -131,6 +139,9 @@ class Tuner:
         untried = [n for n in sc.candidates if math.isinf(sc.arms[n].estimate)]
         if untried:
             return self._start_trial(sc, untried[0])
+        if sc.challenger:
+            name, sc.challenger = sc.challenger, ""
+            return self._start_trial(sc, name)
         best = self._leader(sc)
         if best != sc.best:
             self._new_best(sc, best)
@@ -185,15 +196,21 @@ class Tuner:
             arm.kept += 1
             arm.estimate += (seconds - arm.estimate) / arm.kept
         else:  # the running best: a moving average that follows changes of state
-            arm.estimate += self.weight * (seconds - arm.estimate)
+            # One call counts at most STEP_LIMIT x the average: a lone hiccup moves the
+            # average by a few per cent, a real change of state within a few calls.
+            arm.estimate += self.weight * (min(seconds, STEP_LIMIT * arm.estimate) - arm.estimate)
         if (sc.trial_left and name == sc.trial and arm.kept == 1 and sc.best and sc.best != name
                 and seconds > CUT_RATIO * sc.arms[sc.best].estimate):
             sc.trial_left = 0  # clearly slower on its first believed call: not worth the rest
-        if name == sc.best and not sc.trial_left:
-            for other in sc.candidates:  # the running best got clearly slower than another: switch now
+        if name == sc.best and not sc.trial_left and not sc.challenger:
+            # The running best's average rose clearly above another's estimate: try that one
+            # at once rather than switch to it. One slow call (a 2.5x hiccup here every few
+            # dozen calls) lifts the average past a loser's old estimate; switching on it ran
+            # the loser for a whole interval (7-15% of the calls to a path 40% slower). A trial
+            # measures it now: it takes over only if it is faster today.
+            for other in sc.candidates:
                 if sc.arms[other].estimate < (1 - SWITCH_MARGIN) * arm.estimate:
-                    self._new_best(sc, self.best(key))
-                    sc.countdown = self.interval(sc.arms[sc.best].estimate, arm.estimate)
+                    sc.challenger, sc.countdown = other, 0
                     break
 
     def best(self, key: Hashable) -> str:
