@@ -113,7 +113,8 @@ class Group:
         # all-reduce decisions, made once per kind of call (their inputs are this group's fixed
         # facts): (nbytes, dtype, op) -> the lean path's collectives._Lean, (nbytes, dtype name,
         # requested algorithm, shared) -> plan.Route (collectives._route), and a checked native
-        # call's header and its guard.InbandCall, if any (collectives._checked_native)
+        # call's header, its guard.InbandCall or its check (collectives._checked_native), and
+        # ("decision", op, dtype name, count word) -> a tuned call's collectives.DecisionCheck
         self.routes: dict = {}
         # Ranks that called join() and now stand in for zeros in the others' all-reduces, in
         # the order they joined (the same list on every rank: read from shared agreement

@@ -134,6 +134,35 @@ def test_above_the_limit_a_requested_algorithm_or_bfloat16_mpi_allreduce_runs(mp
     assert len(mpi_allreduces) == 3
 
 
+def test_above_the_limit_the_check_runs_in_c_and_still_finds_mismatches(monkeypatch):
+    """A call too large to ride on the check is checked by the C in-band call with one int64
+    (collectives.DecisionCheck), then MPI_Allreduce runs; other ops, sizes or collectives on
+    some ranks are still an error on every rank."""
+    n = WORLD.inband // 4 + 8
+    checked = []
+    real = guard.InbandCall.__call__
+
+    def spy(self, x, shape=None):
+        checked.append((x.dtype.name, x.size))
+        return real(self, x, shape)
+
+    monkeypatch.setattr(guard.InbandCall, "__call__", spy)
+    out = comm.allreduce(np.full(n, R + 1.0, dtype=np.float32))
+    np.testing.assert_array_equal(out, np.full(n, N * (N + 1) / 2, dtype=np.float32))
+    assert checked == [("int64", 1)]
+    with pytest.raises(comm.CollectiveMismatchError, match="max"):
+        comm.allreduce(np.ones(n, dtype=np.float32), op="max" if R == N - 1 else "sum")
+    with pytest.raises(comm.CollectiveMismatchError, match=f"{n + 1} elements"):
+        comm.allreduce(np.ones(n + (1 if R == 0 else 0), dtype=np.float32))
+    with pytest.raises(comm.CollectiveMismatchError, match="called broadcast"):
+        if R == 1:
+            comm.broadcast_(np.ones(n, dtype=np.float32))
+        else:
+            comm.allreduce_(np.ones(n, dtype=np.float32))
+    out = comm.allreduce(np.full(n, 2.0, dtype=np.float32))
+    np.testing.assert_array_equal(out, np.full(n, 2.0 * N, dtype=np.float32))
+
+
 def test_a_call_on_the_check_against_a_larger_one_or_a_blocking_tensor():
     limit = WORLD.inband
     with pytest.raises(comm.CollectiveMismatchError) as info:  # rank 0 sends data, the others do not
