@@ -441,7 +441,7 @@ class DecisionCheck:
     """The agreement check through rank 0 for one kind of call, with rank 0's decision (an
     int64) on it: an in-band all-reduce of that one number (a sum to which only rank 0 adds)
     under the call's own header, so the C check of ``guard.InbandCall`` runs it. Across 2 × 2
-    nodes on this 2-core machine the check costs 79-90 µs so against 131-171 µs through
+    nodes on this 2-core machine the check costs 79-90 µs against 131-171 µs through
     ``guard.agree``'s Python (mpi4py calls, a watch, a verdict buffer per call), where more
     ranks than cores make every microsecond of Python several of the call's.
 
@@ -630,16 +630,8 @@ def _tuned_across_nodes_(g: Group, out, op: str, dtype_name: str, word: int, can
             g.tuner = tuning.Tuner()
         pick = 1 + candidates.index(g.tuner.choose(key, candidates))
     if _CHECKS.on:
-        check_key = ("decision", op, dtype_name, word)
-        check = g.routes.get(check_key, _NOT_CACHED)
-        if check is _NOT_CACHED:
-            check = DecisionCheck.for_group(g, guard.make_header(0, "allreduce", op, dtype_name, word, "auto"))
-            _cache(g, check_key, check)
-        if check is not None:
-            got = check(pick, shape)
-        else:
-            got = guard.agree(g, guard.make_header(0, "allreduce", op, dtype_name, word, "auto"), dog, shape,
-                              decision=pick)
+        header, check = g.routes.get(("decision", op, dtype_name, word)) or _tuned_check(g, op, dtype_name, word)
+        got = check(pick, shape) if check is not None else guard.agree(g, header.copy(), dog, shape, decision=pick)
     else:
         g.seq += 1
         got = 1
@@ -653,7 +645,14 @@ def _tuned_across_nodes_(g: Group, out, op: str, dtype_name: str, word: int, can
         g.tuner.record(key, algo, time.perf_counter() - start)
 
 
-_NOT_CACHED = object()
+def _tuned_check(g: Group, op: str, dtype_name: str, word: int) -> tuple:
+    """A tuned call's header (sequence 0) and its ``DecisionCheck`` (None: ``guard.agree``),
+    cached on ``g`` under ("decision", op, dtype name, count word)."""
+    header = guard.make_header(0, "allreduce", op, dtype_name, word, "auto")
+    entry = (header, DecisionCheck.for_group(g, header))
+    _cache(g, ("decision", op, dtype_name, word), entry)
+    return entry
+
 
 # Longest run of calls local rank 0 commits to without an exchange (its reaction time to a
 # change of the machine's state, in calls of one size class).

@@ -114,7 +114,7 @@ class Group:
         # facts): (nbytes, dtype, op) -> the lean path's collectives._Lean, (nbytes, dtype name,
         # requested algorithm, shared) -> plan.Route (collectives._route), and a checked native
         # call's header, its guard.InbandCall or its check (collectives._checked_native), and
-        # ("decision", op, dtype name, count word) -> a tuned call's collectives.DecisionCheck
+        # ("decision", op, dtype name, count word) -> a tuned call's header and DecisionCheck
         self.routes: dict = {}
         # Ranks that called join() and now stand in for zeros in the others' all-reduces, in
         # the order they joined (the same list on every rank: read from shared agreement

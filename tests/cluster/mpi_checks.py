@@ -268,7 +268,7 @@ def test_auto_tunes_across_nodes_on_rank_0s_pick(world):
     finally:
         comm.set_checks(True)
     # the pick rode on the C check (collectives.DecisionCheck), not on guard.agree's Python
-    checks = [v for k, v in comm.world().routes.items() if k[0] == "decision"]
+    checks = [v[1] for k, v in comm.world().routes.items() if k[0] == "decision"]
     assert checks and all(type(c).__name__ == "DecisionCheck" for c in checks), checks
     with pytest.raises(comm.CollectiveMismatchError, match="max"):  # one rank's op differs
         comm.allreduce(np.ones(nbytes // 4, dtype=np.float32), op="max" if world.rank == world.size - 1 else "sum")
