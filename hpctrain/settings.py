@@ -203,10 +203,11 @@ DECLARED: Tuple[Setting, ...] = (
     Setting("stall_timeout", "seconds", 300.0, "seconds a collective may wait before the job is aborted "
             "with a report (0: off)", minimum=0, zero="switches the watchdog off"),
     _flag("check_collectives", True, "per-collective agreement check (shape, dtype, op, order); 0 for speed"),
-    _size("check_inband_bytes", 64 * KiB, 0, "where the agreement check goes through group rank 0 (across "
-          "nodes), an `auto` all-reduce up to this size sends its data with its check header and rank 0 returns "
-          "the result with its verdict: one round trip, no `MPI_Allreduce` (capped so that rank 0 gathers at most "
-          "1 MiB: group size x message); rank 0's value holds for the group; 0: never"),
+    _size("check_inband_bytes", 64 * KiB, 0, "where the agreement check runs over MPI (across nodes), an "
+          "`auto` all-reduce up to this size sends its data with its check header and the ranks reduce it as "
+          "they swap headers: one message per step of recursive doubling, no `MPI_Allreduce` (capped so that a "
+          "rank swaps at most 1 MiB of data per check: message x steps); rank 0's value holds for the group; "
+          "0: never"),
     Setting("allreduce", "choice", "auto", "force an all-reduce algorithm: ring, native, shm, hierarchical",
             choices=("auto", "ring", "native", "shm", "hierarchical")),
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "
@@ -223,8 +224,8 @@ DECLARED: Tuple[Setting, ...] = (
           "ring across nodes)"),
     _flag("ring_c", True, "the ring all-reduce in C (`hpctrain/comm/_mpiring.c`, over the MPI library mpi4py "
           "loaded; agreed across the ranks of a communicator the first time the ring runs on it), and in C each "
-          "rank's part of a small all-reduce carried on the agreement check (HPCTRAIN_CHECK_INBAND_BYTES; the same "
-          "messages as the Python one); 0: Python for both"),
+          "rank's part of the agreement check over MPI, with a small all-reduce's data on it "
+          "(HPCTRAIN_CHECK_INBAND_BYTES; the same messages as the Python one); 0: Python for both"),
     _size("ring_segment_bytes", None, KiB, "ring pipelining segment; 4 segments at a time arrive in cache-sized "
           "scratch slots", shown="512 KiB (C ring), 1 MiB (Python ring)"),
     _flag("shm_flags", True, "on one node, synchronise through shared-memory flags (small all-reduces, agreement "

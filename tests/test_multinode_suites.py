@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.mpi, pytest.mark.slow]
 SUITES = {
     # id: (file, extra pytest arguments)
     "data_loader": ("tests/mpi/test_data_loader.py", []),
-    # the agreement check through rank 0 and small all-reduces riding on it, over TCP
+    # the agreement check by recursive doubling and small all-reduces riding on it, over TCP
     "agreement": ("tests/mpi/test_comm_agreement_mpi.py", []),
     "torch_optimizer_equivalence": ("tests/mpi/test_torch_optimizer.py", ["-k", "equivalence"]),
 }

@@ -269,38 +269,44 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
-/* The agreement check through group rank 0 with a small all-reduce's data on it
- * (hpctrain.comm.guard.agree_reducing): the same messages as the Python check, so that ranks
- * running either interoperate. Every rank other than 0 sends its row (header, then its data)
- * and receives rank 0's reply (verdict [0 agreed / 1 mismatch, 0] as two int64, then the
- * result when agreed). Rank 0 receives a row of up to `row` bytes from each, compares the
- * headers with its own, reduces the data in rank order (rank 0's, then 1's, ...: the same
- * order as numpy's reduce over the rows) and replies.
+/* The agreement check over MPI, with a small all-reduce's data on it (hpctrain.comm.guard):
+ * the same messages as the check in Python, so that ranks running either interoperate.
  *
- * inband(comm, byte, rank, size, rows, reply, header, dtype, op, divisor, tag_header,
- *        tag_verdict, source, fanout, clock, data, seq) -> 0 agreed (data holds the result),
- *        -1 the headers differ (rank 0 sent the mismatch verdict; the caller sends the
- *        headers), or an MPI error code. The per-call arguments come last, so that Python
- *        binds the rest once.
- *   rows: rank 0, size rows of `row` bytes; others, one row. Row 0 gets `header` with its
- *   first int64 set to `seq`; on rank 0 the other rows' first int64 is set to -1 until that
- *   rank's row arrives (what the stall watchdog reads to name the missing ranks). reply:
- *   16 + len(data) bytes. data: this rank's data, reduced in place. fanout (int32 ranks,
- *   plan.inband_fanout): where this rank sends an agreed reply (rank 0; a mismatch verdict
- *   goes to every rank) or passes it on (a node's first rank); source: whom the others
- *   receive the reply from (0, or MPI_ANY_SOURCE where replies are passed on). clock: a
- *   double that holds the monotonic time (Python's time.monotonic) the messages were posted
- *   while the call waits, 0.0 otherwise: the stall watchdog's thread reads it
- *   (watchdog.ClockedWait), so the call needs no Python around it to be watched. */
+ * Recursive doubling over the largest power of two of ranks (`core`); each further rank
+ * (`extra`, rank >= core) first sends its part to rank - core and gets the result back from
+ * it at the end. A part is this rank's header (its first int64 the sequence number), the state
+ * [mismatch flag, rank 0's decision] (two int64) and the data. At each step a core rank swaps
+ * its part with rank ^ 2^k and merges: the flag is set when either flag is or the headers
+ * differ; the decision is the lower rank's (so rank 0's in the end); while nothing differs the
+ * data is reduced, the lower rank's part as the left operand, so both partners compute the same
+ * bits. After the last step every rank has merged every rank's part: every rank learns the same
+ * verdict in the same call, with one message per step crossing the network (the check through a
+ * coordinating rank costs two one-way trips). Every checked call sends the same messages
+ * whatever its kind or size (a receive takes up to a whole row), so ranks in different calls
+ * never wait on a message that is not sent: they find the mismatch.
+ *
+ * check(comm, byte, rank, size, mine, theirs, dtype, op, divisor, tag, where, clock, header,
+ *       data, seq, decision) -> 0 agreed (data holds the result, mine's state word 1 rank 0's
+ *       decision), -1 the headers differ (every rank of the call returns -1; the caller
+ *       gathers the headers), or an MPI error code. The arguments that may change from call to
+ *       call come last, so that Python binds the rest once.
+ *   mine, theirs: rows of header + 16 + the group's largest in-band data; mine gets `header`
+ *   with its first int64 set to `seq`, and the state [0, decision]. data: this rank's data,
+ *   reduced in place (0 bytes: a plain check). where: two int32, [the rank waited for, the stage: 0 an extra's part,
+ *   k + 1 step k, steps + 1 the result of an extra], read by the stall watchdog's thread.
+ *   clock: a double that holds the monotonic time (Python's time.monotonic) the call began
+ *   while it waits, 0.0 otherwise (watchdog.ClockedWait), so the call needs no Python around
+ *   it to be watched. */
+#define STATE 16 /* after the header: [mismatch flag, rank 0's decision], int64 */
+
 typedef struct {
     uintptr_t comm, byte;
-    int rank, size, dtype, op, tag_header, tag_verdict, source;
+    int rank, size, dtype, op, tag;
     long divisor;
-    char *rows, *reply, *data;
-    Py_ssize_t row, header, n;  /* row stride, header bytes, data bytes */
-    const int32_t *fanout;
-    int fanouts;
-} Inband;
+    char *mine, *theirs, *data;
+    Py_ssize_t head, n, row;  /* header bytes, data bytes, row bytes (largest message) */
+    volatile int32_t *where;
+} Check;
 
 /* An Isend's or Irecv's error code; its slot cleared when nothing was posted. */
 static int post(int err, Req *q) {
@@ -308,115 +314,115 @@ static int post(int err, Req *q) {
     return err;
 }
 
-/* Send the reply's first `bytes` to the fanout ranks (all posted, then waited). */
-static int send_reply(const Inband *b, Req *q, int bytes) {
-    for (int i = 0; i < b->fanouts; i++)
-        CHECK(post(mpi_isend(b->reply, bytes, b->byte, b->fanout[i], b->tag_verdict, b->comm, &q[i]), &q[i]));
-    return wait_all(q, b->fanouts);
+/* Receive a part from `partner` into theirs and/or send this rank's part to it. */
+static int swap(const Check *c, int partner, int send, int recv, int stage, Req *q) {
+    c->where[0] = partner;
+    c->where[1] = stage;
+    if (recv) CHECK(post(mpi_irecv(c->theirs, (int)c->row, c->byte, partner, c->tag, c->comm, &q[0]), &q[0]));
+    if (send)
+        CHECK(post(mpi_isend(c->mine, (int)(c->head + STATE + c->n), c->byte, partner, c->tag, c->comm, &q[1]), &q[1]));
+    return wait_all(q, 2);
 }
 
-static int inband_leaf(const Inband *b, Req *q) {
-    memcpy(b->rows + b->header, b->data, (size_t)b->n);
-    CHECK(post(mpi_irecv(b->reply, (int)(16 + b->n), b->byte, b->source, b->tag_verdict, b->comm, &q[0]), &q[0]));
-    CHECK(post(mpi_isend(b->rows, (int)(b->header + b->n), b->byte, 0, b->tag_header, b->comm, &q[1]), &q[1]));
-    CHECK(wait_all(q, 2));
-    if (((int64_t *)b->reply)[0] != 0) return -1;
-    if (b->fanouts) CHECK(send_reply(b, q, (int)(16 + b->n)));  /* a node's first rank passes it on */
-    memcpy(b->data, b->reply + 16, (size_t)b->n);
+/* Merge the part in theirs into mine; `lower`: it comes from the lower rank. */
+static void merge(const Check *c, int lower) {
+    int64_t *mine = (int64_t *)(c->mine + c->head), *theirs = (int64_t *)(c->theirs + c->head);
+    mine[0] = mine[0] | theirs[0] | (memcmp(c->mine, c->theirs, (size_t)c->head) != 0);
+    if (lower) mine[1] = theirs[1];
+    if (mine[0] || !c->n) return;
+    char *a = c->mine + c->head + STATE, *b = c->theirs + c->head + STATE;
+    Py_ssize_t count = c->n / itemsize_of(c->dtype);
+    if (lower) {
+        combine(b, a, count, c->dtype, c->op);
+        memcpy(a, b, (size_t)c->n);
+    } else {
+        combine(a, b, count, c->dtype, c->op);
+    }
+}
+
+static int run_check(const Check *c, Req *q) {
+    int core = 1, steps = 0;
+    while (core <= c->size / 2) core *= 2, steps++;
+    int64_t *state = (int64_t *)(c->mine + c->head);
+    if (c->rank >= core) {
+        CHECK(swap(c, c->rank - core, 1, 1, steps + 1, q));
+        memcpy(state, c->theirs + c->head, (size_t)(STATE + c->n));
+    } else {
+        int extra = c->rank + core;
+        if (extra < c->size) {
+            CHECK(swap(c, extra, 0, 1, 0, q));
+            merge(c, 0);
+        }
+        for (int k = 0; k < steps; k++) {
+            int partner = c->rank ^ (1 << k);
+            CHECK(swap(c, partner, 1, 1, k + 1, q));
+            merge(c, partner < c->rank);
+        }
+        if (!state[0] && c->divisor > 1 && c->n)
+            divide(c->mine + c->head + STATE, c->n / itemsize_of(c->dtype), c->dtype, c->divisor);
+        if (extra < c->size) CHECK(swap(c, extra, 1, 0, steps + 1, q));
+    }
+    if (state[0]) return -1;
+    memcpy(c->data, c->mine + c->head + STATE, (size_t)c->n);
     return 0;
 }
 
-static int inband_root(const Inband *b, Req *q) {
-    int others = b->size - 1;
-    for (int r = 1; r <= others; r++)
-        CHECK(post(mpi_irecv(b->rows + r * b->row, (int)b->row, b->byte, r, b->tag_header, b->comm, &q[r - 1]),
-                   &q[r - 1]));
-    CHECK(wait_all(q, others));
-    int mismatch = 0;
-    for (int r = 1; r <= others && !mismatch; r++)
-        mismatch = memcmp(b->rows + r * b->row, b->rows, (size_t)b->header) != 0;
-    int64_t *verdict = (int64_t *)b->reply;
-    verdict[0] = mismatch;
-    verdict[1] = 0;
-    if (!mismatch) {
-        char *acc = b->reply + 16;
-        Py_ssize_t count = b->n / itemsize_of(b->dtype);
-        memcpy(acc, b->data, (size_t)b->n);
-        for (int r = 1; r <= others; r++) combine(acc, b->rows + r * b->row + b->header, count, b->dtype, b->op);
-        if (b->divisor > 1) divide(acc, count, b->dtype, b->divisor);
-        memcpy(b->data, acc, (size_t)b->n);
-    }
-    if (!mismatch) {
-        CHECK(send_reply(b, q, (int)(16 + b->n)));
-        return 0;
-    }
-    for (int r = 1; r <= others; r++)
-        CHECK(post(mpi_isend(b->reply, 16, b->byte, r, b->tag_verdict, b->comm, &q[r - 1]), &q[r - 1]));
-    CHECK(wait_all(q, others));
-    return -1;
-}
-
-static PyObject *inband(PyObject *Py_UNUSED(module), PyObject *args) {
+static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
     unsigned long long comm, byte;
-    int rank, size, dtype, op, tag_header, tag_verdict, source;
+    int rank, size, dtype, op, tag;
     long divisor;
-    long long seq;
-    Py_buffer rows, reply, head, fanout, clock, data;
-    if (!PyArg_ParseTuple(args, "KKiiw*w*y*iiliiiy*w*w*L", &comm, &byte, &rank, &size, &rows, &reply, &head, &dtype,
-                          &op, &divisor, &tag_header, &tag_verdict, &source, &fanout, &clock, &data, &seq))
+    long long seq, decision;
+    Py_buffer mine, theirs, head, where, clock, data;
+    if (!PyArg_ParseTuple(args, "KKiiw*w*iiliw*w*y*w*LL", &comm, &byte, &rank, &size, &mine, &theirs, &dtype, &op,
+                          &divisor, &tag, &where, &clock, &head, &data, &seq, &decision))
         return NULL;
-    int fanouts = (int)(fanout.len / (Py_ssize_t)sizeof(int32_t));
     Py_ssize_t header = head.len;
     PyObject *result = NULL;
     int item = itemsize_of(dtype);
-    Py_ssize_t row = rank == 0 && size > 0 ? rows.len / size : rows.len;
     if (!mpi_isend || !mpi_irecv || !mpi_wait || !mpi_cancel) {
-        PyErr_SetString(PyExc_RuntimeError, "_mpiring.inband: call bind() with the MPI functions first");
+        PyErr_SetString(PyExc_RuntimeError, "_mpiring.check: call bind() with the MPI functions first");
     } else if (!item || op < OP_SUM || op > OP_PROD || data.len % item) {
-        PyErr_Format(PyExc_ValueError, "_mpiring.inband: unsupported dtype %d / op %d for %zd bytes", dtype, op,
+        PyErr_Format(PyExc_ValueError, "_mpiring.check: unsupported dtype %d / op %d for %zd bytes", dtype, op,
                      data.len);
     } else if (size < 2 || rank < 0 || rank >= size) {
-        PyErr_Format(PyExc_ValueError, "_mpiring.inband: rank %d of %d", rank, size);
-    } else if (fanout.len % (Py_ssize_t)sizeof(int32_t) || fanouts >= size || (uintptr_t)fanout.buf % sizeof(int32_t)) {
-        PyErr_Format(PyExc_ValueError, "_mpiring.inband: fanout of %zd bytes: at most %d aligned int32 ranks",
-                     fanout.len, size - 1);
+        PyErr_Format(PyExc_ValueError, "_mpiring.check: rank %d of %d", rank, size);
+    } else if (where.len < 2 * (Py_ssize_t)sizeof(int32_t) || (uintptr_t)where.buf % sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "_mpiring.check: where must be two aligned, writable int32");
     } else if (clock.len < (Py_ssize_t)sizeof(double) || (uintptr_t)clock.buf % sizeof(double)) {
-        PyErr_SetString(PyExc_ValueError, "_mpiring.inband: clock must be an aligned, writable double");
-    } else if (header < 16 || row < header + data.len || reply.len < 16 + data.len || row > (1 << 30)) {
-        PyErr_Format(PyExc_ValueError, "_mpiring.inband: rows of %zd bytes, a %zd-byte header, a reply of %zd "
-                     "bytes: too small for %zd bytes of data", row, header, reply.len, data.len);
+        PyErr_SetString(PyExc_ValueError, "_mpiring.check: clock must be an aligned, writable double");
+    } else if (header < 8 || header % 8 || mine.len != theirs.len || mine.len < header + STATE + data.len ||
+               (uintptr_t)mine.buf % 8 || (uintptr_t)theirs.buf % 8 || mine.len > (1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.check: rows of %zd and %zd bytes (8-aligned) for a %zd-byte "
+                     "header (a multiple of 8), %d bytes of state and %zd bytes of data", mine.len, theirs.len,
+                     header, STATE, data.len);
     } else {
-        Inband b = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag_header, tag_verdict, source,
-                    op == OP_AVG ? divisor : 0, rows.buf, reply.buf, data.buf, row, header, data.len,
-                    (const int32_t *)fanout.buf, fanouts};
-        int64_t word = (int64_t)seq, unset = -1;
-        memcpy(b.rows, head.buf, (size_t)header);
-        memcpy(b.rows, &word, sizeof word);
-        for (int r = 1; rank == 0 && r < size; r++) memcpy(b.rows + r * row, &unset, sizeof unset);
-        Req *reqs = PyMem_RawCalloc((size_t)size, sizeof(Req));
-        if (!reqs) {
-            PyErr_NoMemory();
-        } else {
-            int err;
-            volatile double *began = (volatile double *)clock.buf;
-            struct timespec now;
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            *began = (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
-            Py_BEGIN_ALLOW_THREADS
-            err = rank == 0 ? inband_root(&b, reqs) : inband_leaf(&b, reqs);
-            if (err > 0) cancel_all(reqs, size);
-            Py_END_ALLOW_THREADS
-            *began = 0.0;
-            PyMem_RawFree(reqs);
-            result = PyLong_FromLong(err);
-        }
+        Check c = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag, op == OP_AVG ? divisor : 0,
+                   mine.buf, theirs.buf, data.buf, header, data.len, mine.len, (volatile int32_t *)where.buf};
+        int64_t word = (int64_t)seq, *state = (int64_t *)(c.mine + header);
+        memcpy(c.mine, head.buf, (size_t)header);
+        memcpy(c.mine, &word, sizeof word);
+        state[0] = 0;
+        state[1] = (int64_t)decision;
+        memcpy(c.mine + header + STATE, data.buf, (size_t)data.len);
+        Req reqs[2] = {{0}, {0}};
+        int err;
+        volatile double *began = (volatile double *)clock.buf;
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        *began = (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+        Py_BEGIN_ALLOW_THREADS
+        err = run_check(&c, reqs);
+        if (err > 0) cancel_all(reqs, 2);
+        Py_END_ALLOW_THREADS
+        *began = 0.0;
+        result = PyLong_FromLong(err);
     }
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&reply);
-    PyBuffer_Release(&data);
+    PyBuffer_Release(&mine);
+    PyBuffer_Release(&theirs);
     PyBuffer_Release(&head);
-    PyBuffer_Release(&fanout);
+    PyBuffer_Release(&where);
     PyBuffer_Release(&clock);
+    PyBuffer_Release(&data);
     return result;
 }
 
@@ -439,9 +445,9 @@ static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS, "bind(isend_address, irecv_address, wait_address, cancel_address)"},
     {"allreduce", allreduce, METH_VARARGS,
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
-    {"inband", inband, METH_VARARGS,
-     "inband(comm, byte, rank, size, rows, reply, header, dtype_code, op_code, divisor, tag_header, tag_verdict, "
-     "source, fanout, clock, data, seq) -> 0 agreed, -1 headers differ, or an MPI error code"},
+    {"check", check, METH_VARARGS,
+     "check(comm, byte, rank, size, mine, theirs, dtype_code, op_code, divisor, tag, where, clock, header, data, seq, "
+     "decision) -> 0 agreed, -1 headers differ, or an MPI error code"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -422,8 +422,8 @@ def _checked_native(g: Group, dtype: np.dtype, nbytes: int, key: tuple) -> tuple
     count word, algorithm, header extra, whether auto chose it) sends, cached on ``g`` (building
     it costs a few µs, a small all-reduce's budget): its header (sequence 0); where its data
     rides on the check, the ``guard.InbandCall`` that runs it (None: MPI_Allreduce after the
-    check); otherwise, where the check goes through rank 0, the ``DecisionCheck`` that checks it
-    (None: ``guard.agree``)."""
+    check); otherwise, where the check runs over MPI with room for in-band data, the
+    ``DecisionCheck`` that checks it (None: ``guard.agree``)."""
     op, dtype_name, word, algo, extra, auto = key
     header = guard.make_header(0, "allreduce", op, dtype_name, word, algo, extra)
     inband = check = None
@@ -438,17 +438,16 @@ def _checked_native(g: Group, dtype: np.dtype, nbytes: int, key: tuple) -> tuple
 
 
 class DecisionCheck:
-    """The agreement check through rank 0 for one kind of call, with rank 0's decision (an
-    int64) on it: an in-band all-reduce of that one number (a sum to which only rank 0 adds)
-    under the call's own header, so the C check of ``guard.InbandCall`` runs it. Across 2 × 2
-    nodes on this 2-core machine the check costs 79-90 µs against 131-171 µs through
-    ``guard.agree``'s Python (mpi4py calls, a watch, a verdict buffer per call), where more
-    ranks than cores make every microsecond of Python several of the call's.
+    """The agreement check over MPI for one kind of call, with rank 0's decision (an int64) on
+    it: an in-band all-reduce of that one number (a sum to which only rank 0 adds) under the
+    call's own header, so the C check of ``guard.InbandCall`` runs it instead of
+    ``guard.agree``'s Python (mpi4py calls, a watch per call), where more ranks than cores make
+    every microsecond of Python several of the call's.
 
     Every rank makes the same choice between this and ``guard.agree`` for a given header
-    (``for_group`` reads only group-wide facts: ``group.inband``, the same on every rank), so a
-    call's messages match; a rank in another collective sends another header, which rank 0 finds
-    mismatched as in every check."""
+    (``for_group`` reads only group-wide facts: ``group.inband``, the same on every rank); both
+    send the check's messages, and a rank in another collective sends another header, a
+    mismatch on every rank as in every check."""
 
     __slots__ = ("call", "value")
 
@@ -458,7 +457,8 @@ class DecisionCheck:
 
     @classmethod
     def for_group(cls, g: Group, header: np.ndarray) -> Optional["DecisionCheck"]:
-        """None where the check does not go through rank 0 with room for in-band data."""
+        """None where the check has no room for in-band data (on one node, or with
+        HPCTRAIN_CHECK_INBAND_BYTES below 8)."""
         if g.inband < 8:
             return None
         return cls(guard.InbandCall(g, header, mpiring.inband_code("int64", "sum"), header.tobytes(), "sum", "int64",

@@ -1,24 +1,28 @@
 """Cheap agreement check before each collective, and the watched wait around it.
 
-Every rank sends a small header (sequence number, operation, reduction op, dtype, element
-count with a code of the shape folded in, algorithm) to group rank 0, which compares them
-and answers every rank with one verdict. A mismatch becomes a CollectiveMismatchError on
-every rank, naming the ranks and what each called (with every rank's shape when the shapes
-differ: gathered only then, so a call that agrees costs no more bytes). Because rank 0
-knows whose header has not arrived, the stall watchdog can name the ranks that never
-entered the collective. On one node with shared-memory flags the same check is one flag
+Every rank's small header (sequence number, operation, reduction op, dtype, element count
+with a code of the shape folded in, algorithm) is compared with every other rank's, and a
+mismatch becomes a CollectiveMismatchError on every rank, naming the ranks and what each
+called (with every rank's shape when the shapes differ: gathered only then, so a call that
+agrees costs no more bytes). On one node with shared-memory flags the check is one flag
 exchange (``shmsync.NodeFlags.agree``).
 
-A small all-reduce checked through rank 0 needs no collective of its own: its data rides
-on the header (``InbandCall``), rank 0 reduces the rows in rank order and its verdict
-carries the result. One round trip instead of the check's and MPI_Allreduce's, and a
-mismatch is still found before any data is reduced.
+Over MPI (across nodes, or without the flags) the ranks swap their parts by recursive
+doubling (``plan.check_schedule``): a part is the header, a state [mismatch flag, rank 0's
+decision] and, for a small all-reduce (``InbandCall``), its data, reduced as the parts merge.
+Every checked call sends the same messages whatever it is, so ranks in different collectives
+never wait on a message that is not sent; after the last step every rank knows the verdict
+(and rank 0's decision: auto's run-time pick across nodes) in the same call, and only then,
+on a mismatch, the headers are gathered for the error. One message per step crosses the
+network, as in MPI's own small all-reduce: a checked small all-reduce costs about what the
+unchecked one does.
 
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
 watchdog still catches stalls then, but cannot name the missing ranks as precisely.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Dict, List, Optional, Sequence
 
@@ -30,13 +34,14 @@ from .errors import CollectiveMismatchError
 from .plan import ALGORITHMS
 from .watchdog import raise_translated
 
-_TAG_HEADER, _TAG_VERDICT, _TAG_MESSAGE = 101, 102, 103
+_TAG_CHECK = 101
 HEADER_LEN = 7
 HEADER_BYTES = 8 * HEADER_LEN
-_VERDICT_BYTES = 16  # [0 (agreed) or 1, rank 0's decision], int64
-# The most bytes rank 0 gathers for one in-band all-reduce (group size x message): above it the
-# reduction at rank 0 (linear in the ranks) costs more than the collective it saves.
-INBAND_GATHER_BYTES = 1024 * 1024
+_STATE_BYTES = 16  # after the header: [0 (agreed so far) or 1, rank 0's decision], int64
+_PART_BYTES = HEADER_BYTES + _STATE_BYTES
+# The most in-band bytes one rank swaps in one check (data x steps): above it recursive
+# doubling sends more than MPI's large-message all-reduce, which the check then runs after it.
+INBAND_SWAP_BYTES = 1024 * 1024
 
 
 class Checks:
@@ -211,10 +216,10 @@ def mismatch_message(headers: np.ndarray, group, shapes: Optional[Sequence] = No
 def agree(group, header: np.ndarray, dog, shape=None, decision: int = 0) -> int:
     """Check that every rank of ``group`` entered the same collective; raise on mismatch.
     ``shape``: this rank's shape (whose code the header's count word holds), named in the
-    error when the ranks' shapes differ. Where the check goes through group rank 0 (across
-    nodes, or without the shared-memory flags), rank 0's ``decision`` rides on its verdict and
-    is returned on every rank (auto's run-time pick across nodes); elsewhere, and with the
-    check off, 0 is returned."""
+    error when the ranks' shapes differ. Where the check runs over MPI (across nodes, or
+    without the shared-memory flags), rank 0's ``decision`` rides on it and is returned on
+    every rank (auto's run-time pick across nodes); elsewhere, and with the check off, 0 is
+    returned."""
     group.seq += 1
     if not CHECKS.on or group.size == 1:
         return 0
@@ -224,25 +229,49 @@ def agree(group, header: np.ndarray, dog, shape=None, decision: int = 0) -> int:
         group.node_flags.agree(header, dog, lambda: what() + " (agreement check)", group.describe_ranks, group,
                                shape=shape)
         return 0
-    if group.rank == 0:
-        return _coordinate(group, header, dog, shape, decision, what)
-    from mpi4py import MPI
+    io = _io(group)
+    try:
+        run = _plain_call(group, io, dog)
+        if run is None:
+            return _exchange(group, io, header, dog, shape, what, decision)
+        io.what = what
+        err = run(header, _NO_DATA, group.seq, decision)
+        decision = int(io.words[HEADER_LEN + 1])
+    finally:
+        io.busy = False
+    if err:
+        _check_failed(group, err, header, dog, shape, what)
+    return decision
 
-    comm = group.ctl_comm
-    comm.Send([header, MPI.BYTE], dest=0, tag=_TAG_HEADER)  # bytes: rank 0's rows take in-band data too
-    verdict = np.empty(2, dtype=np.int64)  # [0 (agreed) or 1, rank 0's decision]
-    _await_verdict(group, comm, [verdict, MPI.BYTE], verdict, dog, shape, what)
-    return int(verdict[1])
+
+_NO_DATA = np.zeros(0, dtype=np.float32)
 
 
-def _await_verdict(group, comm, buf, verdict: np.ndarray, dog, shape, what, source: int = 0) -> None:
-    """A rank other than 0: receive rank 0's verdict into ``buf`` (whose first 16 bytes are
-    ``verdict``; ``source``: where it comes from, see ``plan.inband_fanout``); raise the
-    mismatch it reports."""
-    with _watch_verdict(group, dog, what):
-        comm.Recv(buf, source=source, tag=_TAG_VERDICT)
-    if verdict[0] != 0:
-        _mismatched(group, None, dog, shape, what)
+def _plain_call(group, io: "CheckIO", dog):
+    """The C check for plain headers bound to the group's CheckIO (made at its first use),
+    or None: the check in Python (no C extension, or ``io`` is a second thread's)."""
+    if io is not group.check_io:
+        return None
+    if io.plain is None:
+        mpiring = _mpiring()
+        io.plain = False
+        if mpiring.available():
+            io.wait = dog.clocked(lambda: io.what() + _CHECKING, _waited_for(group, io.where), _stage_grace(io.where))
+            io.plain = mpiring.check_call(group.ctl_comm, group.rank, group.size, io.mine, io.theirs,
+                                          mpiring.kernel_dtype_code("float32"), "sum", _TAG_CHECK, io.where,
+                                          io.wait.clock)
+    return io.plain or None
+
+
+def _check_failed(group, err: int, header: np.ndarray, dog, shape, what) -> None:
+    """After the C check returned ``err``: an MPI error (> 0) raised as such (a lost rank in
+    an elastic job as RanksLostError), or a mismatch (-1) raised on every rank."""
+    if err > 0:
+        try:
+            _mpiring()._failed(err, "the agreement check")
+        except Exception as exc:
+            raise_translated(exc)
+    _mismatched(group, header, dog, shape, what)
 
 
 # numpy's reduction for each op; min and max propagate NaN as every other algorithm does
@@ -251,52 +280,66 @@ _INBAND_KINDS = "fiuc"
 
 
 def inband_limit(setting: int, size: int) -> int:
-    """The largest all-reduce (bytes) whose data rides on the agreement header for a group of
-    ``size`` ranks checked through rank 0: ``setting`` (HPCTRAIN_CHECK_INBAND_BYTES), bounded
-    so that rank 0 gathers at most INBAND_GATHER_BYTES, in whole 8-byte words (the rows' int64
-    headers stay aligned); 0 for one rank."""
+    """The largest all-reduce (bytes) whose data rides on the agreement check over MPI for a
+    group of ``size`` ranks: ``setting`` (HPCTRAIN_CHECK_INBAND_BYTES), bounded so that a rank
+    swaps at most INBAND_SWAP_BYTES of data in one check, in whole 8-byte words (the parts'
+    int64 words stay aligned); 0 for one rank."""
     if size < 2:
         return 0
-    return min(setting, INBAND_GATHER_BYTES // size) // 8 * 8
+    steps = (size - 1).bit_length()  # the core's steps, and one more where extra ranks fold in
+    return min(setting, INBAND_SWAP_BYTES // steps) // 8 * 8
 
 
 def inband_reducible(dtype_name: str, dtype: np.dtype, op: str) -> bool:
-    """Whether rank 0 reduces this dtype and op itself as MPI would (numbers; bfloat16, held
-    as int16, and bool, whose sum is a logical or, go through MPI)."""
+    """Whether the check reduces this dtype and op itself as MPI would (numbers; bfloat16,
+    held as int16, and bool, whose sum is a logical or, go through MPI)."""
     return dtype.kind in _INBAND_KINDS and dtype_name != "bfloat16" and op in _UFUNCS
 
 
-def reduce_rows(rows: np.ndarray, op: str, out: np.ndarray, size: int, dtype_name: str) -> None:
-    """Rank 0's in-band reduction: ``rows`` (one row per rank, in rank order) reduced into
-    ``out`` in rank order, so every rank gets the same bits; float16 adds and multiplies in
-    float32 (as MPI without float16 reductions does here); ``avg`` divides by ``size``."""
+def combine_parts(left: np.ndarray, right: np.ndarray, op: str, out: np.ndarray) -> None:
+    """One merge of the check's in-band data: ``out = left op right`` (the lower ranks' part on
+    the left, so both partners compute the same bits)."""
+    with np.errstate(all="ignore"):  # overflow gives inf, as from MPI: no numpy warning
+        _UFUNCS[op](left, right, out=out)
+
+
+def part_dtype(dtype: np.dtype, op: str) -> np.dtype:
+    """The dtype in-band data travels in: float16 sums and products in float32, rounded once at
+    the end (as MPI without float16 reductions does here), everything else as it is."""
+    return np.dtype(np.float32) if dtype == np.float16 and op in ("sum", "avg", "prod") else dtype
+
+
+def finish_part(data: np.ndarray, dtype: np.dtype, op: str, size: int, dtype_name: str) -> None:
+    """After the last merge, on a core rank: ``data`` (in ``part_dtype``) rounded to ``dtype``
+    and, for ``avg``, divided by ``size`` in ``dtype``, in place (a float16 result is exact in
+    float32), so that every rank, and an extra rank given the part, has the same bits."""
     from .buffers import finish_average
 
-    ufunc = _UFUNCS[op]
-    with np.errstate(all="ignore"):  # overflow gives inf, as from MPI: no numpy warning
-        if rows.dtype == np.float16 and op in ("sum", "avg", "prod"):
-            np.copyto(out, ufunc.reduce(rows, axis=0, dtype=np.float32), casting="unsafe")
-        else:
-            ufunc.reduce(rows, axis=0, out=out)
+    if data.dtype == dtype:
+        if op == "avg":
+            finish_average(data, size, dtype_name)
+        return
+    result = data.astype(dtype)
     if op == "avg":
-        finish_average(out, size, dtype_name)
+        finish_average(result, size, dtype_name)
+    data[:] = result
 
 
 class InbandCall:
-    """``agree`` for small all-reduces of one kind (group, header, dtype, op) checked through
-    rank 0, their data riding on the header: rank 0 checks the headers, reduces the rows in
-    rank order and sends the result with its verdict. Made once per kind (the collectives
-    cache it) and called with each array: ``call(x, shape)`` reduces ``x`` (contiguous,
-    writable) in place. Use only where ``agree`` goes through rank 0 with the check on and
-    ``x.nbytes <= group.inband`` (``inband_reducible``); a rank whose call differs sends a
-    plain header, which rank 0 finds mismatched before anything is reduced.
+    """``agree`` for small all-reduces of one kind (group, header, dtype, op) over MPI, their
+    data riding on the check: the data is reduced as the ranks' parts merge, and every rank
+    has the result with the verdict. Made once per kind (the collectives cache it) and called
+    with each array: ``call(x, shape)`` reduces ``x`` (contiguous, writable) in place. Use
+    only where ``agree`` runs over MPI with the check on and ``x.nbytes <= group.inband``
+    (``inband_reducible``); a rank whose call differs sends its own header, and the mismatch
+    is found before any data is used.
 
     Where the C kernels take the dtype (``code``: ``mpiring.inband_code``), a call is one C
     call with its fixed arguments bound here; it times itself for the stall watchdog (a
     ``ClockedWait`` registered here), so no Python runs around it: across nodes with more
-    ranks than cores each microsecond of Python costs several of the call's time. Otherwise
+    ranks than cores each microsecond of Python costs several of the call's. Otherwise
     (``code`` None), or while another thread holds the group's CheckIO, the same messages go
-    through Python (rank 0 reduces with numpy).
+    through Python (numpy reduces).
 
     ``template``: the header with sequence 0 (not changed); ``packed``: its bytes."""
 
@@ -310,13 +353,10 @@ class InbandCall:
             return
         io = self.io = _io(group)
         io.busy = False
-        if group.rank == 0:
-            self.wait = dog.clocked(lambda: self.what() + " (agreement check)",
-                                    lambda: _not_arrived(group, io.headers))
-        else:
-            self.wait = dog.clocked(lambda: self.what() + _WAITING_FOR_ROOT, _root_report(group), grace=_ROOT_GRACE)
-        self.run = _mpiring().inband_call(group.ctl_comm, group.rank, group.size, io.rows, io.reply, packed, code,
-                                          op, _TAGS, group.inband_forwarded, group.inband_fanout, self.wait.clock)
+        self.wait = dog.clocked(lambda: self.what() + _CHECKING, _waited_for(group, io.where), _stage_grace(io.where))
+        call = _mpiring().check_call(group.ctl_comm, group.rank, group.size, io.mine, io.theirs, code, op, _TAG_CHECK,
+                                     io.where, self.wait.clock)
+        self.run = functools.partial(call, packed)
 
     def what(self) -> str:
         """The call in progress, for a stall report (its sequence number is the group's)."""
@@ -330,42 +370,22 @@ class InbandCall:
         io.busy = True
         group.seq += 1
         try:
-            err = self.run(x, group.seq)
+            err = self.run(x, group.seq, 0)
         finally:
             io.busy = False
         if err:
-            self._failed(err, shape)
-
-    def _failed(self, err: int, shape) -> None:
-        """After the C call returned ``err``: an MPI error (> 0) raised as such (a lost rank
-        in an elastic job as RanksLostError), or a mismatch (-1) raised on every rank."""
-        if err > 0:
-            try:
-                _mpiring()._failed(err, "the agreement check (with a small all-reduce's data)")
-            except Exception as exc:
-                raise_translated(exc)
-        headers = self.io.headers.copy() if self.group.rank == 0 else None
-        _mismatched(self.group, headers, self.dog, shape, self.what)
+            _check_failed(group, err, _sequenced(self.template, group.seq), self.dog, shape, self.what)
 
     def _in_python(self, x: np.ndarray, shape) -> None:
-        """The call's messages through Python: rank 0 through ``_coordinate`` (numpy reduces
-        the rows), the others through ``_send_row``."""
+        """The call's messages through Python (``_exchange``; numpy reduces)."""
         group = self.group
         group.seq += 1
-        header = _sequenced(self.template, group.seq)
-        flat = x.reshape(-1)
-        if group.rank == 0:
-            _coordinate(group, header, self.dog, shape, 0, self.what, flat, self.op, self.dtype_name)
-            return
         io = _io(group)
         try:
-            io.headers[0] = header
-            _send_row(group, io, flat, self.dog, shape, self.what)
+            _exchange(group, io, _sequenced(self.template, group.seq), self.dog, shape, self.what, 0, x.reshape(-1),
+                      self.op, self.dtype_name)
         finally:
             io.busy = False
-
-
-_TAGS = (_TAG_HEADER, _TAG_VERDICT)
 
 
 def _sequenced(template: np.ndarray, seq: int) -> np.ndarray:
@@ -387,166 +407,142 @@ def _mpiring():
     return module
 
 
-def _send_row(group, io, flat: np.ndarray, dog, shape, what) -> None:
-    """A rank other than 0, in Python: send the header (in ``io``'s row 0) and ``flat``'s data,
-    receive the verdict and the result into ``flat`` (from rank 0, or where replies are passed
-    on from any source), and pass an agreed reply on to ``group.inband_fanout``."""
+_CHECKING = " (agreement check)"
+# s per stage: a rank waiting in a later stage of the check lets the ranks waiting in earlier
+# ones, which name the rank that never came, report a stall first
+_STAGE_GRACE = 2.0
+
+
+def _stage_grace(where: np.ndarray):
+    return lambda: _STAGE_GRACE * int(where[1])
+
+
+def _waited_for(group, where: np.ndarray):
+    """The stall report's "not arrived" for a wait in the check (``where``: [rank, stage],
+    written as the wait begins; read from the watchdog's thread: a report only). A core rank
+    waiting for its extra's part or at the first step waits for a rank that never sent its
+    part; at a later step the partner may itself wait for another rank."""
+
+    def report() -> str:
+        partner, stage = int(where[0]), int(where[1])
+        who = group.describe_ranks([partner])
+        schedule = group.check_schedule
+        if schedule.home >= 0:
+            return f"{who}, which gathers this rank's part of the check (see its report)"
+        if stage <= 1:
+            return who
+        return f"{who} (its part of step {stage} of {schedule.steps} of the check; it may itself wait for another " \
+               "rank, named in an earlier report)"
+
+    return report
+
+
+def _exchange(group, io: "CheckIO", header: np.ndarray, dog, shape, what, decision: int = 0,
+              flat: Optional[np.ndarray] = None, op: str = "", dtype_name: str = "") -> int:
+    """This rank's part of the check over MPI, in Python (the C check's messages), in ``io``
+    (busy: the caller frees it): swap parts along ``group.check_schedule``, merging each;
+    returns rank 0's ``decision``, raises a mismatch on every rank. With ``flat``
+    (``InbandCall``): its data reduced in place."""
+    words = io.words
+    words[:HEADER_LEN] = header
+    words[HEADER_LEN], words[HEADER_LEN + 1] = 0, decision
+    data = None
+    if flat is not None and flat.nbytes:
+        wide = part_dtype(flat.dtype, op)
+        data = io.mine[_PART_BYTES:_PART_BYTES + flat.size * wide.itemsize].view(wide)
+        data[:] = flat
+    with dog.watch(lambda: what() + _CHECKING, _waited_for(group, io.where), _stage_grace(io.where)):
+        _swap_parts(group, io, data, op, lambda: finish_part(data, flat.dtype, op, group.size, dtype_name))
+    if words[HEADER_LEN]:
+        _mismatched(group, header, dog, shape, what)
+    if data is not None:
+        flat[:] = data
+    return int(words[HEADER_LEN + 1])
+
+
+def _swap_parts(group, io: "CheckIO", data: Optional[np.ndarray], op: str, finish) -> None:
+    """The messages of ``_exchange`` (``plan.check_schedule``); ``data``: this rank's in-band
+    data, a view into ``io.mine`` (None: a plain check). A core rank finishes agreed data
+    (``finish()``: ``finish_part``) after the last merge, before an extra rank gets it."""
     from mpi4py import MPI
 
-    n = flat.nbytes
-    io.rows[0, HEADER_BYTES:HEADER_BYTES + n] = flat.view(np.uint8)
+    schedule, comm, where = group.check_schedule, group.ctl_comm, io.where
+    n = 0 if data is None else data.nbytes
+    part, into = [io.mine, _PART_BYTES + n, MPI.BYTE], [io.theirs, MPI.BYTE]
+    if schedule.home >= 0:
+        where[0], where[1] = schedule.home, schedule.steps + 1
+        comm.Sendrecv(part, schedule.home, _TAG_CHECK, into, schedule.home, _TAG_CHECK)
+        io.mine[HEADER_BYTES:_PART_BYTES + n] = io.theirs[HEADER_BYTES:_PART_BYTES + n]
+        return
+    if schedule.extra >= 0:
+        where[0], where[1] = schedule.extra, 0
+        comm.Recv(into, source=schedule.extra, tag=_TAG_CHECK)
+        _merge(io, False, data, op)
+    for step, partner in enumerate(schedule.partners):
+        where[0], where[1] = partner, step + 1
+        comm.Sendrecv(part, partner, _TAG_CHECK, into, partner, _TAG_CHECK)
+        _merge(io, partner < group.rank, data, op)
+    if data is not None and not io.words[HEADER_LEN]:
+        finish()
+    if schedule.extra >= 0:
+        where[0], where[1] = schedule.extra, schedule.steps + 1
+        comm.Send(part, dest=schedule.extra, tag=_TAG_CHECK)
+
+
+def _merge(io: "CheckIO", lower: bool, data: Optional[np.ndarray], op: str) -> None:
+    """Merge the partner's part (in ``io.theirs``) into this rank's; ``lower``: it comes from
+    the lower rank (its decision wins; its data is the left operand)."""
+    mine, theirs = io.words, io.their_words
+    differ = bool((mine[:HEADER_LEN] != theirs[:HEADER_LEN]).any())
+    mine[HEADER_LEN] = int(bool(mine[HEADER_LEN]) or bool(theirs[HEADER_LEN]) or differ)
+    if lower:
+        mine[HEADER_LEN + 1] = theirs[HEADER_LEN + 1]
+    if mine[HEADER_LEN] or data is None:
+        return
+    other = io.theirs[_PART_BYTES:_PART_BYTES + data.nbytes].view(data.dtype)
+    combine_parts(other, data, op, data) if lower else combine_parts(data, other, op, data)
+
+
+def _mismatched(group, header: np.ndarray, dog, shape, what) -> None:
+    """After a mismatch, which every rank of the call has found: every rank's header gathered
+    (one allgather, on this error path only); every rank raises the same error."""
     comm = group.ctl_comm
-    reply = [io.reply, _VERDICT_BYTES + n, MPI.BYTE]
-    comm.Send([io.rows[0], HEADER_BYTES + n, MPI.BYTE], dest=0, tag=_TAG_HEADER)
-    source = MPI.ANY_SOURCE if group.inband_forwarded else 0
-    _await_verdict(group, comm, reply, io.verdict, dog, shape, what, source)
-    if group.inband_fanout:
-        MPI.Request.Waitall([comm.Isend(reply, dest=r, tag=_TAG_VERDICT) for r in group.inband_fanout])
-    flat.view(np.uint8)[:] = io.reply[_VERDICT_BYTES:_VERDICT_BYTES + n]
-
-
-_WAITING_FOR_ROOT = " (waiting for rank 0's agreement check)"
-_ROOT_GRACE = 2.0  # s: a rank waiting for rank 0's verdict lets rank 0 report a stall first
-
-
-def _root_report(group):
-    return lambda: f"{group.describe_ranks([0])}, which coordinates the check (see its report)"
-
-
-def _watch_verdict(group, dog, what):
-    return dog.watch(lambda: what() + _WAITING_FOR_ROOT, _root_report(group), grace=_ROOT_GRACE)
-
-
-def _not_arrived(group, headers: np.ndarray) -> str:
-    """The ranks whose header row rank 0 still waits for (read by the watchdog's thread while
-    MPI fills the rows: a report only)."""
-    return group.describe_ranks([r for r in range(1, group.size) if headers[r, 0] == _UNSET])
-
-
-def _mismatched(group, headers: Optional[np.ndarray], dog, shape, what) -> None:
-    """After a mismatch verdict: rank 0 sends every rank the ``headers`` (the others receive
-    them: None here); every rank raises the same error."""
-    comm = group.ctl_comm
-    if group.rank == 0:
-        for r in range(1, group.size):
-            comm.send(headers, dest=r, tag=_TAG_MESSAGE)
-    else:
-        with _watch_verdict(group, dog, what):
-            headers = comm.recv(source=0, tag=_TAG_MESSAGE)
+    with dog.watch(lambda: what() + " (gathering the headers of a mismatch)",
+                   lambda: f"one or more of the {group.size} ranks of group '{group.name}'"):
+        headers = np.array(comm.allgather(np.asarray(header, dtype=np.int64)), dtype=np.int64)
     raise CollectiveMismatchError(mismatch_report(comm, headers, group, shape, dog, what), headers, group)
 
 
-_UNSET = -1  # a header row's sequence word until that rank's header arrives (sequences start at 1)
-
-
 class CheckIO:
-    """One rank's buffers for the agreement check over MPI, made once per group. Group rank 0:
-    a row per rank (header, then up to ``inband`` bytes of in-band data) with a persistent
-    receive from each other rank, the reply (verdict, then an in-band result) with persistent
-    sends of the verdict and, per in-band size, of verdict and result. Another rank: row 0 and
-    the reply, to send and receive in-band calls. A small checked all-reduce across nodes
-    waits for rank 0's Python between the headers and the verdict, on every rank: here that
-    Python is a few calls. ``busy``: in use (a second thread's check on the same group gets a
-    private one)."""
+    """One rank's buffers for the agreement check over MPI, made once per group: its part
+    (``mine``: header, state, up to ``inband`` bytes of data, twice that where ``part_dtype``
+    widens float16), the partner's (``theirs``), int64 views of their header and state words,
+    and ``where`` (the rank and stage the check waits for, read by stall reports). ``busy``: in
+    use (a second thread's check on the same group gets a private one, which runs in Python)."""
 
-    __slots__ = ("comm", "rows", "headers", "reply", "verdict", "recvs", "sends", "replies", "busy", "fanout")
+    __slots__ = ("mine", "theirs", "words", "their_words", "where", "busy", "plain", "wait", "what")
 
-    _REPLY_SIZES = 64  # in-band sizes with persistent sends kept (a program uses few)
-
-    def __init__(self, comm, size: int, inband: int, root: bool, fanout: Sequence[int] = ()) -> None:
-        from mpi4py import MPI
-
-        self.comm = comm
-        self.fanout = tuple(fanout)  # where an agreed in-band reply goes (plan.inband_fanout)
-        self.rows = np.empty((size if root else 1, HEADER_BYTES + inband), dtype=np.uint8)
-        self.headers = self.rows[:, :HEADER_BYTES].view(np.int64)
-        self.reply = np.zeros(_VERDICT_BYTES + inband, dtype=np.uint8)
-        self.verdict = self.reply[:_VERDICT_BYTES].view(np.int64)
-        self.recvs = [comm.Recv_init([self.rows[r], MPI.BYTE], source=r, tag=_TAG_HEADER)
-                      for r in range(1, size)] if root else []
-        self.sends = self._sends(_VERDICT_BYTES, range(1, size)) if root else []
-        self.replies: Dict[int, list] = {}
+    def __init__(self, inband: int) -> None:
+        self.mine = np.zeros(_PART_BYTES + 2 * inband, dtype=np.uint8)  # room for float16 data in float32
+        self.theirs = np.zeros_like(self.mine)
+        self.words = self.mine[:_PART_BYTES].view(np.int64)
+        self.their_words = self.theirs[:_PART_BYTES].view(np.int64)
+        self.where = np.zeros(2, dtype=np.int32)
         self.busy = False
-
-    def _sends(self, nbytes: int, dests) -> list:
-        from mpi4py import MPI
-
-        return [self.comm.Send_init([self.reply, nbytes, MPI.BYTE], dest=r, tag=_TAG_VERDICT) for r in dests]
-
-    def reply_sends(self, nbytes: int) -> list:
-        """Persistent sends of the verdict and ``nbytes`` of result, to the fanout ranks."""
-        sends = self.replies.get(nbytes)
-        if sends is None:
-            if len(self.replies) >= self._REPLY_SIZES:
-                self._free(r for rs in self.replies.values() for r in rs)
-                self.replies.clear()
-            sends = self.replies[nbytes] = self._sends(_VERDICT_BYTES + nbytes, self.fanout)
-        return sends
-
-    def free(self) -> None:
-        self._free(self.recvs + self.sends + [r for rs in self.replies.values() for r in rs])
-        self.recvs, self.sends, self.replies = [], [], {}
-
-    @staticmethod
-    def _free(requests) -> None:
-        for request in requests:
-            try:
-                request.Free()
-            except Exception:  # its communicator already revoked (elastic jobs)
-                pass
+        self.plain = None  # the C check of plain headers (guard._plain_call), False: none
+        self.wait = None  # its ClockedWait
+        self.what = None  # the call it checks now, for a stall report
 
 
 def _io(group) -> CheckIO:
     """The group's CheckIO, marked busy (a private one if another thread holds it)."""
     io = group.check_io
     if io is None or io.busy:
-        io = CheckIO(group.ctl_comm, group.size, group.inband, group.rank == 0, group.inband_fanout)
+        io = CheckIO(group.inband)
         if group.check_io is None:
             group.check_io = io
     io.busy = True
     return io
-
-
-def _coordinate(group, header: np.ndarray, dog, shape, decision: int, what, flat: Optional[np.ndarray] = None,
-                op: str = "", dtype_name: str = "") -> int:
-    """Rank 0's part of ``agree`` over MPI: every header in, one verdict out (with
-    ``decision``); a mismatch also sends every rank the headers, then raises. With ``flat``
-    (``InbandCall``): the rows' in-band data reduced into ``flat`` and sent with the verdict."""
-    from mpi4py import MPI
-
-    io = _io(group)
-    try:
-        headers = io.headers
-        headers[0] = header
-        headers[1:, 0] = _UNSET
-        MPI.Prequest.Startall(io.recvs)
-        with dog.watch(lambda: what() + " (agreement check)", lambda: _not_arrived(group, headers)):
-            MPI.Request.Waitall(io.recvs)
-        ok = not (headers != headers[0]).any()
-        io.verdict[0], io.verdict[1] = (0, decision) if ok else (1, 0)
-        sends = io.sends
-        if ok and flat is not None:
-            sends = io.reply_sends(_reduce_inband(io, flat, op, dtype_name, group.size))
-        MPI.Prequest.Startall(sends)
-        MPI.Request.Waitall(sends)
-        if ok:
-            return decision
-        headers = headers.copy()
-    finally:
-        io.busy = False
-    _mismatched(group, headers, dog, shape, what)
-
-
-def _reduce_inband(io: CheckIO, flat: np.ndarray, op: str, dtype_name: str, size: int) -> int:
-    """Rank 0: its own ``flat`` into row 0, every row's data reduced into the reply and back
-    into ``flat``; returns the bytes of the result."""
-    n = flat.nbytes
-    data = io.rows[:, HEADER_BYTES:HEADER_BYTES + n]
-    data[0] = flat.view(np.uint8)
-    result = io.reply[_VERDICT_BYTES:_VERDICT_BYTES + n].view(flat.dtype)
-    reduce_rows(data.view(flat.dtype), op, result, size, dtype_name)
-    np.copyto(flat, result)
-    return n
 
 
 def plain_shape(shape):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -115,27 +115,24 @@ def allreduce_(comm, arr: np.ndarray, dtype_code: int, op: str, divisor: int, sc
 
 
 def inband_code(dtype_name: str, op: str):
-    """The kernels' dtype code when ``inband_call`` can reduce ``dtype_name`` with ``op`` here, else
+    """The kernels' dtype code when ``check_call`` can reduce ``dtype_name`` with ``op`` here, else
     None (the agreement check's Python then carries the data; the messages are the same)."""
     code = kernel_dtype_code(dtype_name)
     return code if code is not None and op in OP_CODES and available() else None
 
 
-def inband_call(comm, rank: int, size: int, rows: np.ndarray, reply: np.ndarray, header: bytes, dtype_code: int,
-                op: str, tags: Tuple[int, int], forwarded: bool, fanout: Sequence[int],
-                clock) -> Callable[[np.ndarray, int], int]:
-    """The agreement check through rank 0 with a small all-reduce's data on it, in C
-    (``guard.InbandCall``), with everything but the data and the sequence number bound once:
-    ``call(data, seq)`` puts ``header`` (packed, its sequence word set to ``seq``) into row 0 of
-    ``rows``, reduces ``data`` (C-contiguous) in place and returns 0 (agreed), -1 (the headers
-    differ: rank 0 sent the mismatch verdict) or an MPI error code (raise it with ``_failed``).
-    ``clock``: the double the call keeps its start time in while it waits (``ClockedWait``);
-    ``fanout``, ``forwarded``: where an agreed reply goes, whether replies are passed on
-    (``plan.inband_fanout``)."""
-    source = MPI.ANY_SOURCE if forwarded else 0
-    ranks = np.array(fanout, dtype=np.int32)
-    return functools.partial(_mpiring.inband, comm.handle, MPI.BYTE.handle, rank, size, rows, reply, header,
-                             dtype_code, OP_CODES[op], size, tags[0], tags[1], source, ranks, clock)
+def check_call(comm, rank: int, size: int, mine: np.ndarray, theirs: np.ndarray, dtype_code: int, op: str, tag: int,
+               where: np.ndarray, clock) -> Callable[..., int]:
+    """The agreement check over MPI in C (``guard``), with the arguments that stay the same
+    bound once: ``call(header, data, seq, decision)`` puts ``header`` (its sequence word set to
+    ``seq``) and the state [0, ``decision``] at the head of ``mine``, reduces ``data``
+    (C-contiguous, of ``dtype_code``; empty for a plain check) in place and returns 0 (agreed:
+    rank 0's decision is in ``mine``'s state), -1 (the headers differ, on every rank) or an MPI
+    error code (raise it with ``_failed``). ``mine``, ``theirs``: the check's rows
+    (``guard.CheckIO``); ``where``: two int32 the call keeps the rank and stage it waits for
+    in; ``clock``: the double it keeps its start time in while it waits (``ClockedWait``)."""
+    return functools.partial(_mpiring.check, comm.handle, MPI.BYTE.handle, rank, size, mine, theirs, dtype_code,
+                             OP_CODES[op], size, tag, where, clock)
 
 
 def _failed(err: int, what: str) -> None:

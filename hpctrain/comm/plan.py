@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 # One size rule for all of hpctrain (every unit a power of 1024); re-exported as comm.parse_size.
 from ..settings import format_size, parse_size  # noqa: F401
@@ -188,24 +188,30 @@ class Topology:
         return self.num_nodes == 1
 
 
-def inband_fanout(topology: Topology, rank: int) -> Tuple[Tuple[int, ...], bool]:
-    """Where ``rank`` sends an agreed reply of the agreement check with a small all-reduce's
-    data on it (``guard.InbandCall``): rank 0 to the other ranks of its node and to the lowest
-    rank of every other node, which passes it on to the rest of its node, so one message per
-    node crosses the network instead of one per rank and rank 0 sends fewer. Returns (the
-    ranks this rank sends the reply to, whether replies are passed on at all: ranks other
-    than 0 then take theirs from any source). Where no other node holds two ranks, rank 0
-    sends every rank its reply, as it sends every plain verdict. A mismatch verdict always
-    goes from rank 0 to every rank (a rank in another call would not pass it on)."""
-    nodes = range(1, topology.num_nodes)
-    if not any(topology.local_size(topology.ranks_on(n)[0]) > 1 for n in nodes):
-        return (tuple(range(1, topology.size)) if rank == 0 else ()), False
-    if rank == 0:
-        return tuple(r for r in topology.ranks_on(0) if r) + tuple(topology.ranks_on(n)[0] for n in nodes), True
-    node = topology.ranks_on(topology.node_of[rank])
-    if topology.node_of[rank] != 0 and node[0] == rank:
-        return tuple(node[1:]), True
-    return (), True
+class CheckSchedule(NamedTuple):
+    """One rank's messages in the agreement check over MPI (``guard``): recursive doubling
+    over the largest power of two of ranks (the core), each further rank folded into a core
+    rank first. ``home``: an extra rank's core rank (it sends its part there and gets the
+    result back), else -1; ``extra``: a core rank's extra rank, else -1; ``partners``: a core
+    rank's partner at each step (none for an extra rank); ``steps``: the core's number of
+    steps. The stages a rank waits in (what a stall report names): 0 a core rank's wait for
+    its extra's part, k + 1 step k, steps + 1 an extra rank's wait for the result. The C
+    check (``_mpiring.check``) computes the same."""
+
+    home: int
+    extra: int
+    partners: Tuple[int, ...]
+    steps: int
+
+
+def check_schedule(rank: int, size: int) -> CheckSchedule:
+    """Where ``rank`` of ``size`` (>= 2) sends and receives its part of the agreement check."""
+    core = 1 << (size.bit_length() - 1)
+    steps = core.bit_length() - 1
+    if rank >= core:
+        return CheckSchedule(rank - core, -1, (), steps)
+    extra = rank + core if rank + core < size else -1
+    return CheckSchedule(-1, extra, tuple(rank ^ (1 << k) for k in range(steps)), steps)
 
 
 def topology_from_keys(node_keys: Sequence[object]) -> Topology:

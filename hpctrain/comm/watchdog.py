@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Union
 from .. import settings
 
 Text = Union[str, Callable[[], str]]  # messages are built only when a stall is reported
+Grace = Union[float, Callable[[], float]]  # read when the watchdog looks at the wait
 # Elastic jobs: faults.translate, which turns an MPI error of a lost peer leaving a watched
 # wait into RanksLostError (and revokes this rank's communicators); None elsewhere.
 TRANSLATE: dict = {"fn": None}
@@ -44,10 +45,12 @@ class Wait:
 
     __slots__ = ("what", "waiting_for", "since", "grace", "_dog", "_key", "_previous")
 
-    def __init__(self, dog: "Watchdog", what: Text, waiting_for: Callable[[], str], grace: float) -> None:
+    def __init__(self, dog: "Watchdog", what: Text, waiting_for: Callable[[], str], grace: "Grace") -> None:
         self.what = what  # e.g. "allreduce(sum, float32, 1000 elements, ring) on world"
         self.waiting_for = waiting_for  # describes the ranks not arrived yet
-        self.grace = grace  # extra seconds (ranks that wait on a coordinator give it time to report)
+        # extra seconds (ranks that wait on a rank which itself waits give that one time to report):
+        # a number, or a function of the wait's progress
+        self.grace = grace
         self._dog = dog
 
     def __enter__(self) -> "Wait":
@@ -67,6 +70,12 @@ class Wait:
             lost = translated(exc)
             if lost is not exc:
                 raise lost from exc
+
+
+def grace_of(wait) -> float:
+    """A wait's grace now (``Grace``)."""
+    grace = wait.grace
+    return grace() if callable(grace) else grace
 
 
 def translated(exc: BaseException) -> BaseException:
@@ -96,7 +105,7 @@ class ClockedWait:
 
     __slots__ = ("what", "waiting_for", "grace", "clock", "_from", "_restarted", "__weakref__")
 
-    def __init__(self, what: Text, waiting_for: Callable[[], str], grace: float) -> None:
+    def __init__(self, what: Text, waiting_for: Callable[[], str], grace: Grace) -> None:
         self.what, self.waiting_for, self.grace = what, waiting_for, grace
         self.clock = array.array("d", [0.0])
         self._from, self._restarted = 0.0, 0.0
@@ -139,11 +148,11 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def watch(self, what: Text, waiting_for: Callable[[], str], grace: float = 0.0) -> Wait:
+    def watch(self, what: Text, waiting_for: Callable[[], str], grace: Grace = 0.0) -> Wait:
         """``with dog.watch(what, waiting_for): <blocking MPI call>``."""
         return Wait(self, what, waiting_for, grace)
 
-    def clocked(self, what: Text, waiting_for: Callable[[], str], grace: float = 0.0) -> ClockedWait:
+    def clocked(self, what: Text, waiting_for: Callable[[], str], grace: Grace = 0.0) -> ClockedWait:
         """A ``ClockedWait`` watched for as long as the caller keeps it."""
         wait = ClockedWait(what, waiting_for, grace)
         key = id(wait)
@@ -165,7 +174,7 @@ class Watchdog:
             now = time.monotonic()
             for wait in self._watched():
                 since = wait.since
-                if since is not None and now - since > self.timeout + wait.grace:
+                if since is not None and now - since > self.timeout + grace_of(wait):
                     if self._lost_rank(wait, now - since) and self._diverted.get(id(wait)) != since:
                         wait.since = self._diverted[id(wait)] = now  # it now ends with RanksLostError; watch it anew
                         continue

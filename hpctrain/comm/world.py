@@ -17,7 +17,7 @@ from . import guard, launcher
 from .asyncq import drain
 from .errors import CommError, ElasticError, NotInitializedError, RanksLostError
 from .guard import agree, make_header
-from .plan import Topology, inband_fanout, topology_from_keys
+from .plan import Topology, check_schedule, topology_from_keys
 from .watchdog import Watchdog, stall_timeout
 
 # "base": the communicator the world group is built on: MPI_COMM_WORLD, or the survivors'
@@ -80,7 +80,7 @@ class Group:
         self.cross_comm = mpi_comm.Split(color=self.local_rank, key=self.rank)
         self.cross_ring_comm = self.cross_comm.Dup()
         self.seq = 0  # collectives entered, identical on every rank when they agree
-        self.check_io = None  # rank 0's agreement-check buffers over MPI (guard.CheckIO), made on first use
+        self.check_io = None  # the agreement check's buffers over MPI (guard.CheckIO), made on first use
         # Flag synchronisation among this group's ranks on this node (None: one local rank,
         # or the C extension missing). On a one-node group it also runs the agreement check
         # and small all-reduces.
@@ -88,13 +88,13 @@ class Group:
 
         self.node_flags = NodeFlags.create(self.node_comm)
         self.small_shm = self.node_flags.small_bytes if self.node_flags and self.topology.single_node else 0
-        # Largest all-reduce whose data rides on the agreement check through rank 0 (none where
-        # the check is a flag exchange); from rank 0's HPCTRAIN_CHECK_INBAND_BYTES, agreed above:
-        # ranks with different limits would send a call's data in different messages.
+        # Largest all-reduce whose data rides on the agreement check over MPI (none where the
+        # check is a flag exchange); from rank 0's HPCTRAIN_CHECK_INBAND_BYTES, agreed above:
+        # ranks with different limits would send a call's data in different messages, and the
+        # receive buffers are sized by it.
         self.inband = 0 if self.small_shm else guard.inband_limit(facts[0][1][3], self.size)
-        # where this rank sends an agreed in-band reply, and whether replies are passed on by
-        # the first rank of each node (plan.inband_fanout)
-        self.inband_fanout, self.inband_forwarded = inband_fanout(self.topology, self.rank)
+        # whom this rank swaps its part of the agreement check over MPI with
+        self.check_schedule = check_schedule(self.rank, self.size) if self.size > 1 else None
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         # auto's run-time choice (collectives._tuned_allreduce_). On one node: on when every rank
@@ -165,9 +165,7 @@ class Group:
             self.node_flags = None
             self.small_shm = 0
             self.routes = {}  # decided with the flags
-        if self.check_io is not None:
-            self.check_io.free()
-            self.check_io = None
+        self.check_io = None
         for c in self._comms()[1:]:
             try:
                 c.Free()

@@ -110,7 +110,7 @@ def test_small_calls_ride_on_the_check_with_mpis_results(dtype, op, mpi_allreduc
             np.testing.assert_allclose(got, want, rtol=2e-3)
         else:
             np.testing.assert_array_equal(got, want)
-        every = comm.allgather_object(got.tobytes())  # rank 0 reduced once: the same bits everywhere
+        every = comm.allgather_object(got.tobytes())  # merged in one order: the same bits everywhere
         assert every.count(every[0]) == N
     assert mpi_allreduces == [x.nbytes for x in (rank_data(n, dtype, 0) for n in (1, 7, length))]  # ours only
 
@@ -178,9 +178,9 @@ def test_a_call_on_the_check_against_a_larger_one_or_a_blocking_tensor():
 
 @pytest.mark.parametrize("python_on", [0, "last", "leader"])
 def test_ranks_in_c_and_in_python_interoperate(python_on, monkeypatch):
-    """The C in-band call and the Python one exchange the same messages: a rank without the C
-    path (here rank 0, which reduces, the last rank, or the last node's first rank, which
-    passes agreed replies on to its node across nodes) takes part in the same call."""
+    """The C check and the Python one exchange the same messages: a rank without the C path
+    (here rank 0, whose decision wins, the last rank, an extra rank folded in where the ranks
+    are not a power of two, or the last node's first rank) takes part in the same call."""
     from hpctrain.comm import mpiring
 
     topology = WORLD.topology

@@ -141,29 +141,34 @@ def test_refused_calls_and_names_in_the_mismatch_message():
     assert "shape (4,) named 'grad.a'" in msg and "shape (4,) named 'grad.b'" in msg
 
 
-def test_in_band_reduction_is_in_rank_order_with_mpis_conventions():
-    rows = np.array([[1e8, 1.0, np.nan], [1.0, -2.0, 0.0], [-1e8, 3.0, 1.0]], dtype=np.float32)
+def test_in_band_merges_keep_the_lower_ranks_part_on_the_left_with_mpis_conventions():
+    left = np.array([1e8, 1.0, np.nan], dtype=np.float32)
+    right = np.array([1.0, -2.0, 0.0], dtype=np.float32)
     out = np.empty(3, dtype=np.float32)
-    guard.reduce_rows(rows, "sum", out, 3, "float32")
-    assert out[0] == np.float32((np.float32(1e8) + np.float32(1.0)) - np.float32(1e8))  # ((r0 + r1) + r2)
-    guard.reduce_rows(rows, "min", out, 3, "float32")
+    guard.combine_parts(left, right, "min", out)
     assert np.isnan(out[2]) and out[1] == -2.0  # NaN anywhere is NaN, as every algorithm gives
-    ints = np.array([[7, -7], [0, 0]], dtype=np.int32)
-    got = np.empty(2, dtype=np.int32)
-    guard.reduce_rows(ints, "avg", got, 2, "int32")
-    np.testing.assert_array_equal(got, [3, -3])  # integer averages truncate toward zero
-    halves = np.array([[2048.0], [1.0], [1.0]], dtype=np.float16)  # float16 sums in float32, rounded once:
-    h = np.empty(1, dtype=np.float16)                                # in float16 2048 + 1 is 2048 again
-    guard.reduce_rows(halves, "sum", h, 3, "float16")
-    assert h[0] == 2050.0
     with np.errstate(over="raise"):  # overflow gives inf, as from MPI, without a numpy warning
-        guard.reduce_rows(np.full((2, 1), 3e38, dtype=np.float32), "sum", out[:1], 2, "float32")
+        guard.combine_parts(np.full(1, 3e38, np.float32), np.full(1, 3e38, np.float32), "sum", out[:1])
     assert np.isinf(out[0])
+    assert guard.part_dtype(np.dtype(np.float16), "sum") == np.float32  # float16 sums in float32 ...
+    assert guard.part_dtype(np.dtype(np.float16), "max") == np.float16
+    assert guard.part_dtype(np.dtype(np.int8), "sum") == np.int8
+    part = np.array([2050.0, 2051.0], np.float32)
+    guard.finish_part(part, np.dtype(np.float16), "sum", 3, "float16")  # ... rounded once at the end
+    assert part.tolist() == [2050.0, 2052.0]
+    part = np.array([3073.0], np.float32)  # 3073 rounds to 3072 in float16; / 3 in float16
+    guard.finish_part(part, np.dtype(np.float16), "avg", 3, "float16")
+    assert part[0] == np.float16(1024.0)
+    ints = np.array([8, -8], np.int32)
+    guard.finish_part(ints, np.dtype(np.int32), "avg", 3, "int32")
+    assert ints.tolist() == [2, -2]  # integer averages truncate toward zero
 
 
 def test_in_band_limit_and_dtypes():
     assert guard.inband_limit(64 * 1024, 4) == 64 * 1024
-    assert guard.inband_limit(64 * 1024, 64) == guard.INBAND_GATHER_BYTES // 64  # rank 0 gathers at most 1 MiB
+    # a rank swaps at most 1 MiB of in-band data per check (7 steps at 65 ranks)
+    assert guard.inband_limit(1 << 20, 65) == guard.INBAND_SWAP_BYTES // 7 // 8 * 8
+    assert guard.inband_limit(1 << 20, 4) == guard.INBAND_SWAP_BYTES // 2
     assert guard.inband_limit(1001, 2) == 1000 and guard.inband_limit(4096, 1) == 0
     assert guard.inband_limit(0, 8) == 0
     assert guard.inband_reducible("float16", np.dtype(np.float16), "avg")

@@ -143,23 +143,31 @@ def test_world_size_check_catches_silent_singletons():
     check_world_size({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, 1)
 
 
-def test_an_agreed_in_band_reply_crosses_the_network_once_per_node():
-    from hpctrain.comm.plan import Topology, inband_fanout
+def test_the_check_pairs_ranks_by_recursive_doubling_with_extra_ranks_folded_in():
+    from hpctrain.comm.plan import check_schedule
 
-    two_by_two = Topology((0, 0, 1, 1))
-    assert inband_fanout(two_by_two, 0) == ((1, 2), True)  # its node's rank 1, node 1's first rank
-    assert inband_fanout(two_by_two, 2) == ((3,), True)  # passes it on to its node
-    assert inband_fanout(two_by_two, 1) == ((), True) and inband_fanout(two_by_two, 3) == ((), True)
-    uneven = Topology((0, 1, 0, 1, 2, 2, 2))  # nodes by lowest rank: ranks 0,2 | 1,3 | 4,5,6
-    assert inband_fanout(uneven, 0) == ((2, 1, 4), True)
-    assert inband_fanout(uneven, 1) == ((3,), True) and inband_fanout(uneven, 4) == ((5, 6), True)
-    assert inband_fanout(uneven, 2) == ((), True)  # on rank 0's node: rank 0 sends it its reply
+    assert check_schedule(0, 4) == (-1, -1, (1, 2), 2)  # on 2 x 2 nodes: first its node, then across
+    assert check_schedule(3, 4) == (-1, -1, (2, 1), 2)
+    assert check_schedule(0, 3) == (-1, 2, (1,), 1) and check_schedule(2, 3) == (0, -1, (), 1)
+    assert check_schedule(1, 7) == (-1, 5, (0, 3), 2) and check_schedule(3, 7).extra == -1
 
 
-@pytest.mark.parametrize("node_of", [(0, 0, 0), (0, 1, 2, 3), (0, 0, 1), (0,)])
-def test_without_a_node_of_two_other_than_rank_0s_rank_0_replies_to_every_rank(node_of):
-    from hpctrain.comm.plan import Topology, inband_fanout
+@pytest.mark.parametrize("size", range(2, 34))
+def test_every_check_message_has_a_matching_receive(size):
+    """Each step pairs ranks both ways, every extra rank has exactly one core rank that takes
+    its part and sends it the result, and after the last step every core rank has (through its
+    partners) merged every core rank's part."""
+    from hpctrain.comm.plan import check_schedule
 
-    topology = Topology(node_of)
-    assert inband_fanout(topology, 0) == (tuple(range(1, len(node_of))), False)
-    assert all(inband_fanout(topology, r) == ((), False) for r in range(1, len(node_of)))
+    schedules = [check_schedule(r, size) for r in range(size)]
+    core = [r for r, s in enumerate(schedules) if s.home < 0]
+    assert len(core) & (len(core) - 1) == 0 and len(core) > size // 2  # the largest power of two
+    for r, s in enumerate(schedules):
+        if s.home >= 0:
+            assert s.partners == () and schedules[s.home].extra == r
+        for step, partner in enumerate(s.partners):
+            assert schedules[partner].partners[step] == r
+    known = {r: {r} for r in core}
+    for step in range(schedules[0].steps):
+        known = {r: known[r] | known[schedules[r].partners[step]] for r in core}
+    assert all(known[r] == set(core) for r in core)

@@ -19,7 +19,6 @@ except ImportError as exc:  # optional extension: pip install succeeds without a
                  module_level=True)
 
 F32 = DTYPE_CODES["float32"]
-NO_RANKS = np.zeros(0, np.int32)  # the in-band call's fanout: none
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,6 +107,7 @@ class FakeMPI:
         self.incoming = incoming
         self.fail_recv, self.error = fail_recv, error
         self.posted, self.cancelled, self.recvs, self.next = {}, [], 0, 1
+        self.sent = []  # the bytes of every send
         self.on_wait = lambda: None  # called in every wait (the C call has released the GIL)
         post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
                                 ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
@@ -125,6 +125,7 @@ class FakeMPI:
         return 0
 
     def isend(self, buf, nbytes, dtype, dest, tag, comm, req):
+        self.sent.append(self.ctypes.string_at(buf, nbytes))
         return self._post("send", req)
 
     def irecv(self, buf, nbytes, dtype, source, tag, comm, req):
@@ -193,38 +194,62 @@ def shmsync_op(op):
     return OP_CODES[op], {"min": np.minimum, "max": np.maximum}[op]
 
 
-def test_the_in_band_call_holds_its_start_time_while_it_waits_and_clears_it(fake_mpi):
-    """Rank 1 of 2: its row goes out, rank 0's reply (verdict 0, the sum) comes in. While it
-    waits, the clock holds the monotonic time it began (what the stall watchdog reads, with
-    no Python around the call); after, 0."""
+def part(header: bytes, seq: int, state, data: np.ndarray) -> np.ndarray:
+    """A part of the check as it travels: header (its first int64 the sequence), state, data."""
+    words = np.frombuffer(header, np.int64).copy()
+    words[0] = seq
+    return np.concatenate([words.view(np.uint8), np.array(state, np.int64).view(np.uint8), data.view(np.uint8)])
+
+
+def check_args(x, clock, where=None, rows=72 + 32, header=bytes(range(56)), mine=None, decision=5):
+    where = np.zeros(2, np.int32) if where is None else where
+    mine = np.zeros(rows, np.uint8) if mine is None else mine
+    return (1, 1, 1, 2, mine, np.zeros(rows, np.uint8), F32, 0, 2, 101, where, clock, header, x, 7, decision)
+
+
+def test_the_check_swaps_parts_and_reduces_with_the_lower_ranks_part_first(fake_mpi):
+    """Rank 1 of 2: its part (header with the sequence put in, state [0, its decision], its
+    data) goes to rank 0, rank 0's part comes in; the sum is rank 0's data + rank 1's, and the
+    decision rank 0's. While it waits,
+    the clock holds the monotonic time it began (what the stall watchdog reads, with no
+    Python around the call) and ``where`` the rank and stage it waits for; after, 0."""
     import time
 
-    reply_in = np.zeros(16 + 16, np.uint8)
-    reply_in[16:].view(np.float32)[:] = [10, 20, 30, 40]
-    fake = fake_mpi(incoming=reply_in)
+    header = bytes(range(56))
+    fake = fake_mpi(incoming=part(header, 7, [0, 42], np.array([10, 20, 30, 40], np.float32)))
     clock = array.array("d", [0.0])
+    where = np.zeros(2, np.int32)
     seen = []
-    fake.on_wait = lambda: seen.append(clock[0])
-    rows, reply, header = np.zeros((1, 56 + 16), np.uint8), np.zeros(32, np.uint8), bytes(range(56))
+    fake.on_wait = lambda: seen.append((clock[0], tuple(where)))
     x = np.arange(4, dtype=np.float32)
+    mine = np.zeros(72 + 32, np.uint8)
     before = time.monotonic()
-    err = _mpiring.inband(1, 1, 1, 2, rows, reply, header, F32, 0, 2, 101, 102, 0, NO_RANKS, clock, x, 7)
+    err = _mpiring.check(*check_args(x, clock, where, mine=mine))
     after = time.monotonic()
-    assert err == 0 and x.tolist() == [10, 20, 30, 40]
-    assert rows[0, :8].view(np.int64)[0] == 7 and bytes(rows[0, 8:56]) == header[8:]  # the sequence put in
-    assert rows[0, 56:].view(np.float32).tolist() == [0, 1, 2, 3]  # its data behind the header
-    assert seen and all(before <= t <= after for t in seen), (before, seen, after)
+    assert err == 0 and x.tolist() == [10, 21, 32, 43]
+    assert fake.sent == [part(header, 7, [0, 5], np.arange(4, dtype=np.float32)).tobytes()]  # its decision: 5
+    assert mine[56:72].view(np.int64).tolist() == [0, 42]  # agreed; rank 0's decision
+    assert seen and all(before <= t <= after and w == (0, 1) for t, w in seen), (before, seen, after)
     assert clock[0] == 0.0
 
 
-def test_the_in_band_call_refuses_a_clock_it_cannot_hold_a_double_in():
+def test_the_check_finds_a_header_that_differs_and_leaves_the_data(fake_mpi):
+    header = bytes(range(56))
+    other = bytearray(header)
+    other[40] ^= 1  # another algorithm word
+    fake_mpi(incoming=part(bytes(other), 7, [0, 0], np.ones(4, np.float32)))
+    x = np.arange(4, dtype=np.float32)
+    assert _mpiring.check(*check_args(x, array.array("d", [0.0]))) == -1
+    assert x.tolist() == [0, 1, 2, 3]
+    fake_mpi(incoming=part(header, 7, [1, 0], np.ones(4, np.float32)))  # the same header, a mismatch found before
+    assert _mpiring.check(*check_args(x, array.array("d", [0.0]))) == -1
+
+
+def test_the_check_refuses_a_clock_or_where_it_cannot_write_or_rows_too_small():
+    x = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="clock"):
-        _mpiring.inband(1, 1, 1, 2, np.zeros((1, 72), np.uint8), np.zeros(32, np.uint8), bytes(56), F32, 0, 2,
-                        101, 102, 0, NO_RANKS, bytearray(4), np.zeros(4, np.float32), 7)
-
-
-@pytest.mark.parametrize("fanout", [np.zeros(2, np.int32), np.zeros(3, np.uint8)])
-def test_the_in_band_call_refuses_a_fanout_of_all_ranks_or_not_of_int32(fanout):
-    with pytest.raises(ValueError, match="fanout"):  # rank 1 of 2 passes on to at most 1 rank
-        _mpiring.inband(1, 1, 1, 2, np.zeros((1, 72), np.uint8), np.zeros(32, np.uint8), bytes(56), F32, 0, 2,
-                        101, 102, 0, fanout, array.array("d", [0.0]), np.zeros(4, np.float32), 7)
+        _mpiring.check(*check_args(x, bytearray(4)))
+    with pytest.raises(ValueError, match="where"):
+        _mpiring.check(*check_args(x, array.array("d", [0.0]), where=np.zeros(1, np.int32)))
+    with pytest.raises(ValueError, match="rows"):
+        _mpiring.check(*check_args(x, array.array("d", [0.0]), rows=72 + 8))

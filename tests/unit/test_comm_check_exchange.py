@@ -1,0 +1,170 @@
+"""The agreement check over MPI (guard._exchange) on simulated ranks: threads swapping parts
+through queues in place of MPI, at every group size from 2 to 9 (powers of two and groups
+with extra ranks folded in). Every rank must learn the same verdict, rank 0's decision and
+the same bits of an in-band all-reduce; a rank in another call is a mismatch on every rank."""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from hpctrain.comm import guard
+from hpctrain.comm.errors import CollectiveMismatchError
+from hpctrain.comm.plan import check_schedule
+
+
+class FakeComm:
+    """Point-to-point messages between threads (one queue per ordered pair of ranks: MPI keeps
+    one sender's messages in order) and an allgather; what guard's check calls."""
+
+    def __init__(self, rank, hub):
+        self.rank, self.hub = rank, hub
+
+    def _put(self, spec, dest):
+        buf, count = spec[0], spec[1]
+        self.hub.queues[(self.rank, dest)].put(bytes(buf.reshape(-1)[:count]))
+
+    def _get(self, spec, source):
+        message = self.hub.queues[(source, self.rank)].get(timeout=20)
+        buf = spec[0].reshape(-1)
+        assert len(message) <= buf.nbytes, "a message larger than the receive buffer (MPI: truncation)"
+        buf[:len(message)] = np.frombuffer(message, np.uint8)
+
+    def Sendrecv(self, send, dest, sendtag, recv, source, recvtag):
+        self._put(send, dest)
+        self._get(recv, source)
+
+    def Send(self, send, dest, tag):
+        self._put(send, dest)
+
+    def Recv(self, recv, source, tag):
+        self._get(recv, source)
+
+    def allgather(self, obj):
+        self.hub.gathered[self.rank] = obj
+        self.hub.barrier.wait(timeout=20)
+        out = list(self.hub.gathered)
+        self.hub.barrier.wait(timeout=20)
+        return out
+
+    def Get_size(self):
+        return self.hub.size
+
+
+class Hub:
+    def __init__(self, size):
+        self.size = size
+        self.queues = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+        self.gathered = [None] * size
+        self.barrier = threading.Barrier(size)
+
+
+class FakeGroup:
+    name = "world"
+
+    def __init__(self, rank, size, hub, inband=1024):
+        self.rank, self.size, self.inband, self.seq = rank, size, inband, 0
+        self.check_schedule = check_schedule(rank, size)
+        self.ctl_comm = FakeComm(rank, hub)
+        self.check_io = None
+
+    @staticmethod
+    def describe_ranks(ranks):
+        return "ranks " + ",".join(map(str, ranks))
+
+
+class Dog:
+    @staticmethod
+    def watch(*args, **kwargs):
+        return contextlib.nullcontext()
+
+
+def run_ranks(size, body):
+    """``body(group)`` on every simulated rank; returns each rank's result or exception."""
+    hub = Hub(size)
+    out = [None] * size
+
+    def run(rank):
+        try:
+            out[rank] = body(FakeGroup(rank, size, hub))
+        except Exception as exc:  # the test looks at it
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a simulated rank hangs"
+    return out
+
+
+def exchange(g, *args):
+    """guard._exchange with the group's CheckIO (as agree and InbandCall give it)."""
+    return guard._exchange(g, guard._io(g), *args)
+
+
+def header(op="allreduce", count=5):
+    return guard.make_header(1, op, "sum", "float64", count)
+
+
+@pytest.mark.parametrize("size", range(2, 10))
+def test_every_rank_gets_the_same_bits_and_rank_0s_decision(size):
+    rng = np.random.default_rng(size)
+    data = [rng.standard_normal(5) * 10.0 ** rng.integers(-3, 6, 5) for _ in range(size)]
+
+    def body(g):
+        x = data[g.rank].copy()
+        decision = exchange(g, header(), Dog(), None, lambda: "allreduce", 40 + g.rank, x, "sum", "float64")
+        return decision, x
+
+    out = run_ranks(size, body)
+    assert all(decision == 40 for decision, _ in out)  # rank 0's
+    first = out[0][1]
+    assert all(x.tobytes() == first.tobytes() for _, x in out)  # the same bits everywhere
+    np.testing.assert_allclose(first, np.sum(data, axis=0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("size", range(2, 10))
+@pytest.mark.parametrize("odd", [0, "last", "middle"])
+def test_a_rank_in_another_call_is_a_mismatch_on_every_rank(size, odd):
+    bad = {0: 0, "last": size - 1, "middle": size // 2}[odd]
+
+    def body(g):
+        if g.rank == bad:  # a plain check of a broadcast: no data
+            return exchange(g, header("broadcast", -1), Dog(), None, lambda: "broadcast")
+        x = np.ones(5)
+        return exchange(g, header(), Dog(), None, lambda: "allreduce", 0, x, "sum", "float64")
+
+    out = run_ranks(size, body)
+    assert all(isinstance(e, CollectiveMismatchError) for e in out), out
+    assert all(len(e.headers) == size for e in out)
+    assert all(f"ranks {bad} called broadcast" in str(e) for e in out), str(out[0])
+
+
+def test_float16_sums_in_float32_rounded_once_and_integer_averages_truncate():
+    halves = [2048.0, 1.0, 1.0]  # in float16 2048 + 1 is 2048 again
+
+    def half(g):
+        x = np.array([halves[g.rank]], np.float16)
+        exchange(g, header(), Dog(), None, lambda: "allreduce", 0, x, "sum", "float16")
+        return x
+
+    assert all(x[0] == 2050.0 for x in run_ranks(3, half))
+
+    def average(g):
+        x = np.array([[7, 0, 1][g.rank], [-7, 0, -1][g.rank]], np.int32)
+        exchange(g, header(), Dog(), None, lambda: "allreduce", 0, x, "avg", "int32")
+        return x
+
+    assert all(x.tolist() == [2, -2] for x in run_ranks(3, average))  # 8 / 3 and -8 / 3, once (rank 2 too)
+
+    def average_of_two(g):
+        x = np.array([7, -7], np.int32) if g.rank == 0 else np.zeros(2, np.int32)
+        exchange(g, header(), Dog(), None, lambda: "allreduce", 0, x, "avg", "int32")
+        return x
+
+    assert all(x.tolist() == [3, -3] for x in run_ranks(2, average_of_two))  # toward zero
