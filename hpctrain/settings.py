@@ -203,18 +203,19 @@ DECLARED: Tuple[Setting, ...] = (
     Setting("stall_timeout", "seconds", 300.0, "seconds a collective may wait before the job is aborted "
             "with a report (0: off)", minimum=0, zero="switches the watchdog off"),
     _flag("check_collectives", True, "per-collective agreement check (shape, dtype, op, order); 0 for speed"),
-    _size("check_inband_bytes", 64 * KiB, 0, "where the agreement check runs over MPI (across nodes), an "
+    _size("check_inband_bytes", 256 * KiB, 0, "where the agreement check runs over MPI (across nodes), an "
           "`auto` all-reduce up to this size sends its data with its check header and the ranks reduce it as "
-          "they swap headers: one message per step of recursive doubling, no `MPI_Allreduce` (capped so that a "
-          "rank swaps at most 1 MiB of data per check: message x steps); rank 0's value holds for the group; "
-          "0: never"),
+          "they swap headers: one message per step of recursive doubling, no `MPI_Allreduce` and no run-time "
+          "choice (capped so that a rank swaps at most 512 KiB of data per check: message x steps, 256 KiB at 4 "
+          "ranks, 128 KiB at 16); rank 0's value holds for the group; 0: never"),
     Setting("allreduce", "choice", "auto", "force an all-reduce algorithm: ring, native, shm, hierarchical",
             choices=("auto", "ring", "native", "shm", "hierarchical")),
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "
           "streamed shm path, `MPI_Allreduce`, and the ring: from 1 MiB at 3 ranks or more, from 32 MiB at 2) and "
           "runs the fastest, re-trying the others now and then; local rank 0 decides, every rank follows (in one "
-          "flag exchange, or once for a run of up to 16 calls of the streamed path). Across nodes, from 128 KiB, "
-          "among `MPI_Allreduce`, the ring and the hierarchical path: group rank 0 decides and its pick rides on "
+          "flag exchange, or once for a run of up to 16 calls of the streamed path). Across nodes, from 128 KiB "
+          "and above the all-reduces that ride on the agreement check (HPCTRAIN_CHECK_INBAND_BYTES), among "
+          "`MPI_Allreduce`, the ring and the hierarchical path: group rank 0 decides and its pick rides on "
           "the agreement check (with the check off, the fixed choice runs). 0 (on any rank of a node; across "
           "nodes rank 0's value: agreed when a group is made): fixed thresholds (reproducible choice)"),
     _size("cross_node_ring_bytes", 256 * KiB, 0, "across nodes, `auto`'s fixed choice (HPCTRAIN_AUTOTUNE=0, "

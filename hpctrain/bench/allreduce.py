@@ -247,7 +247,8 @@ def measure(runners, sizes, dtype, args, records, on_size: Callable[[List[dict]]
                         tuned[algo][name] = tuned[algo].get(name, 0) + ran - before.get(name, 0)
         for algo in names:
             if algo.startswith("auto"):
-                fixed = comm.choose_algorithm(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc", dtype=dtype)
+                route = comm.allreduce_route(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc", dtype=dtype)
+                fixed = route.candidates[0] if route.kind == "tuned" else route.algorithm
                 chosen[algo] = comm.broadcast_object(chosen_label(fixed, tuned[algo]))
         rows = []
         for algo in names:

@@ -100,7 +100,7 @@ def _route(g: Group, nbytes: int, dtype_name: str, requested: str, shared: bool)
     if route is None:
         route = plan.route(nbytes, g.topology, requested, shared=shared, small_shm=_small_shm(g, dtype_name),
                            pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune,
-                           cross_node=g.cross_node)
+                           cross_node=g.cross_node, inband=g.inband if guard.inband_dtype(dtype_name) else 0)
         _cache(g, key, route)
     return route
 

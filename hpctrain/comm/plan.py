@@ -322,7 +322,8 @@ def tuning_candidates(nbytes: int, topology: Topology, small_shm: int, pipes: bo
     the cores (the piped path 1.2–1.5× MPI_Allreduce in one placement, 0.3× in the other;
     docs/performance.md). The ring joins from RING_CANDIDATE_BYTES at 3 ranks or more.
     Across nodes, from CROSS_NODE_TUNING_BYTES: MPI_Allreduce, the ring and (same number of
-    ranks on every node) the hierarchical path, the fixed choice first (``cross_node``).
+    ranks on every node) the hierarchical path, the fixed choice first (``cross_node``);
+    ``route`` sends the sizes that ride on the agreement check there instead.
     """
     if topology.size == 1:
         return ()
@@ -376,17 +377,25 @@ class Route:
 
 
 def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: bool = False, small_shm: int = 0,
-          pipes: bool = False, autotune: bool = False, cross_node: Tuple[int, int] = CROSS_NODE) -> Route:
+          pipes: bool = False, autotune: bool = False, cross_node: Tuple[int, int] = CROSS_NODE,
+          inband: int = 0) -> Route:
     """The route of an all-reduce of ``nbytes`` on ``topology``: the one decision every path of
     ``collectives`` takes (the general one and the lean one for small numpy arrays).
 
     ``requested``: the caller's algorithm after the HPCTRAIN_ALLREDUCE override; ``shared``:
     the data lives in a shared buffer; ``small_shm``: the largest flag exchange for this dtype
     (0: none); ``pipes``: the piped path takes this size and dtype; ``autotune``: the group's
-    run-time choice is on; ``cross_node``: see ``choose_algorithm``. Every argument agrees across the ranks of a group, so every rank
-    takes the same route and sends the same agreement header.
+    run-time choice is on; ``cross_node``: see ``choose_algorithm``; ``inband``: the largest
+    all-reduce of this dtype whose data can ride on the agreement check over MPI (0: none):
+    up to it ``auto`` takes that path (a native route the check carries) instead of a run-time
+    choice, since recursive doubling with the data on the check beat `MPI_Allreduce`, the ring
+    and the tuned choice across nodes up to 256 KiB (docs/performance.md). Every argument
+    agrees across the ranks of a group, so every rank takes the same route and sends the same
+    agreement header.
     """
     algo = choose_algorithm(nbytes, topology, requested, shared, small_shm, cross_node)
+    if requested == "auto" and not shared and 0 < nbytes <= inband and topology.size > 1:
+        return Route("native", "native", auto=True)
     if requested == "auto" and autotune and not shared:
         candidates = tuning_candidates(nbytes, topology, small_shm, pipes, cross_node)
         if candidates:

@@ -15,11 +15,27 @@ SMALL = 256 * 1024  # the flag exchange's limit for a dtype its kernels take
 
 
 def r(nbytes, topo=NODE2, requested="auto", shared=False, small_shm=SMALL, pipes=None, autotune=False,
-      cross_node=plan.CROSS_NODE):
+      cross_node=plan.CROSS_NODE, inband=0):
     if pipes is None:  # as the flag slots answer: a piped call is larger than a flag exchange
         pipes = bool(small_shm) and nbytes > small_shm
     return plan.route(nbytes, topo, requested, shared=shared, small_shm=small_shm, pipes=pipes, autotune=autotune,
-                      cross_node=cross_node)
+                      cross_node=cross_node, inband=inband)
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_across_nodes_up_to_the_in_band_limit_auto_rides_on_the_check_instead_of_tuning(autotune):
+    limit = 256 * 1024
+    native = Route("native", "native", auto=True)
+    assert r(limit, TWO_NODES, small_shm=0, autotune=autotune, inband=limit) == native  # not tuned, not the ring
+    assert r(plan.CROSS_NODE_TUNING_BYTES, TWO_NODES, small_shm=0, autotune=autotune, inband=limit) == native
+    above = r(limit + 8, TWO_NODES, small_shm=0, autotune=autotune, inband=limit)
+    assert above.kind == ("tuned" if autotune else "ring")  # from the limit on as before
+    assert r(limit, TWO_NODES, "ring", small_shm=0, autotune=autotune, inband=limit) == Route("ring", "ring")
+    shared = r(limit, TWO_NODES, small_shm=0, shared=True, inband=limit)
+    assert shared == r(limit, TWO_NODES, small_shm=0, shared=True) and shared.kind == "ring"  # a shared buffer: as before
+    assert r(0, TWO_NODES, small_shm=0, inband=limit).kind == "local"
+    # without in-band room (the check off for the dtype: bfloat16, bool; or the setting 0) as before
+    assert r(limit, TWO_NODES, small_shm=0, autotune=True).kind == "tuned"
 
 
 @pytest.mark.parametrize("autotune", [False, True])
