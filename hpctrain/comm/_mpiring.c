@@ -67,6 +67,28 @@ static void combine(void *acc, const void *in, Py_ssize_t n, int dtype, int op) 
     FOR_KERNEL_DTYPE(dtype, COMBINE_TYPE)
 }
 
+#define COMBINE3_LOOP(T, EXPR)                                                 \
+    do {                                                                       \
+        T *o = (T *)out;                                                       \
+        const T *l = (const T *)left, *r = (const T *)right;                   \
+        for (Py_ssize_t i = 0; i < n; i++) { T a = l[i], b = r[i]; o[i] = (EXPR); } \
+    } while (0)
+
+#define COMBINE3_TYPE(T)                                                       \
+    do {                                                                       \
+        switch (op) {                                                          \
+        case OP_SUM: case OP_AVG: COMBINE3_LOOP(T, a + b); break;              \
+        case OP_PROD: COMBINE3_LOOP(T, a * b); break;                          \
+        case OP_MIN: COMBINE3_LOOP(T, KERNEL_MIN(a, b)); break;                \
+        case OP_MAX: COMBINE3_LOOP(T, KERNEL_MAX(a, b)); break;                \
+        }                                                                      \
+    } while (0)
+
+/* out[i] = left[i] op right[i], n elements; out may be left or right (element by element). */
+static void combine3(void *out, const void *left, const void *right, Py_ssize_t n, int dtype, int op) {
+    FOR_KERNEL_DTYPE(dtype, COMBINE3_TYPE)
+}
+
 #define DIVIDE_TYPE(T)                                                         \
     do {                                                                       \
         T *o = (T *)acc;                                                       \
@@ -324,47 +346,47 @@ static int swap(const Check *c, int partner, int send, int recv, int stage, Req 
     return wait_all(q, 2);
 }
 
-/* Merge the part in theirs into mine; `lower`: it comes from the lower rank. */
-static void merge(const Check *c, int lower) {
+/* Merge the part in theirs into mine, the data into `out` (mine's, or the caller's at the
+ * last step); `lower`: it comes from the lower rank. Returns whether the data was merged. */
+static int merge(const Check *c, int lower, char *out) {
     int64_t *mine = (int64_t *)(c->mine + c->head), *theirs = (int64_t *)(c->theirs + c->head);
     mine[0] = mine[0] | theirs[0] | (memcmp(c->mine, c->theirs, (size_t)c->head) != 0);
     if (lower) mine[1] = theirs[1];
-    if (mine[0] || !c->n) return;
-    char *a = c->mine + c->head + STATE, *b = c->theirs + c->head + STATE;
-    Py_ssize_t count = c->n / itemsize_of(c->dtype);
-    if (lower) {
-        combine(b, a, count, c->dtype, c->op);
-        memcpy(a, b, (size_t)c->n);
-    } else {
-        combine(a, b, count, c->dtype, c->op);
-    }
+    if (mine[0] || !c->n) return 0;
+    const char *a = c->mine + c->head + STATE, *b = c->theirs + c->head + STATE;
+    combine3(out, lower ? b : a, lower ? a : b, c->n / itemsize_of(c->dtype), c->dtype, c->op);
+    return 1;
 }
 
 static int run_check(const Check *c, Req *q) {
     int core = 1, steps = 0;
     while (core <= c->size / 2) core *= 2, steps++;
     int64_t *state = (int64_t *)(c->mine + c->head);
+    char *data = c->mine + c->head + STATE;
     if (c->rank >= core) {
         CHECK(swap(c, c->rank - core, 1, 1, steps + 1, q));
-        memcpy(state, c->theirs + c->head, (size_t)(STATE + c->n));
-    } else {
-        int extra = c->rank + core;
-        if (extra < c->size) {
-            CHECK(swap(c, extra, 0, 1, 0, q));
-            merge(c, 0);
-        }
-        for (int k = 0; k < steps; k++) {
-            int partner = c->rank ^ (1 << k);
-            CHECK(swap(c, partner, 1, 1, k + 1, q));
-            merge(c, partner < c->rank);
-        }
-        if (!state[0] && c->divisor > 1 && c->n)
-            divide(c->mine + c->head + STATE, c->n / itemsize_of(c->dtype), c->dtype, c->divisor);
-        if (extra < c->size) CHECK(swap(c, extra, 1, 0, steps + 1, q));
+        memcpy(state, c->theirs + c->head, STATE);
+        if (state[0]) return -1;
+        memcpy(c->data, c->theirs + c->head + STATE, (size_t)c->n);
+        return 0;
     }
-    if (state[0]) return -1;
-    memcpy(c->data, c->mine + c->head + STATE, (size_t)c->n);
-    return 0;
+    int extra = c->rank + core, in_place = 0;  /* in_place: the last merge wrote the caller's data */
+    if (extra < c->size) {
+        CHECK(swap(c, extra, 0, 1, 0, q));
+        merge(c, 0, data);
+    }
+    for (int k = 0; k < steps; k++) {
+        int partner = c->rank ^ (1 << k), last = k == steps - 1 && extra >= c->size;
+        CHECK(swap(c, partner, 1, 1, k + 1, q));
+        in_place = merge(c, partner < c->rank, last ? c->data : data) && last;
+    }
+    if (!state[0]) {
+        if (!in_place) memcpy(c->data, data, (size_t)c->n);
+        if (c->divisor > 1 && c->n) divide(c->data, c->n / itemsize_of(c->dtype), c->dtype, c->divisor);
+        if (extra < c->size) memcpy(data, c->data, (size_t)c->n);
+    }
+    if (extra < c->size) CHECK(swap(c, extra, 1, 0, steps + 1, q));  /* the verdict, whatever it is */
+    return state[0] ? -1 : 0;
 }
 
 static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
