@@ -94,13 +94,15 @@ def _route(g: Group, nbytes: int, dtype_name: str, requested: str, shared: bool)
     """``plan.route`` with this group's facts: the one all-reduce decision, for every path.
     Cached on the group (deciding costs ~4 µs, a small all-reduce's whole budget): every
     input but the call's own is fixed while the group lives (its flags, topology, run-time
-    choice and thresholds; ``Group.free`` drops the cache with the flags)."""
-    key = (nbytes, dtype_name, requested, shared)
+    choice and thresholds; ``Group.free`` drops the cache with the flags), and the agreement
+    check's state is part of the key: only a checked call's data can ride on the check."""
+    key = (nbytes, dtype_name, requested, shared, _CHECKS.on)
     route = g.routes.get(key)
     if route is None:
+        inband = g.inband if _CHECKS.on and guard.inband_dtype(dtype_name) else 0
         route = plan.route(nbytes, g.topology, requested, shared=shared, small_shm=_small_shm(g, dtype_name),
                            pipes=algorithms.pipes(g, nbytes, dtype_name), autotune=g.autotune,
-                           cross_node=g.cross_node, inband=g.inband if guard.inband_dtype(dtype_name) else 0)
+                           cross_node=g.cross_node, inband=inband)
         _cache(g, key, route)
     return route
 
@@ -123,7 +125,7 @@ def allreduce(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional[
     """
     g = _sync_start(group)
     if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
-        lean = g.routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+        lean = g.routes.get((x.nbytes, x.dtype, op, _CHECKS.on)) or _lean(g, x.nbytes, x.dtype, op)
         if lean.route is not None:
             out = np.array(x, order="C")  # private, contiguous and writable: the lean path takes it
             try:
@@ -164,7 +166,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
                 and not g.joined):
             if _ASYNC.started:
                 asyncq.drain()
-            lean = g.routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            lean = g.routes.get((x.nbytes, x.dtype, op, _CHECKS.on)) or _lean(g, x.nbytes, x.dtype, op)
             if lean.flags:
                 g.seq += 1
                 dog = _world_state["watchdog"]  # g exists, so the world (and its watchdog) does
@@ -198,7 +200,7 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
             return _allreduce(x, op, algorithm, g, inplace=True)
         g = _sync_start(group)
         if algorithm == "auto" and type(x) is np.ndarray and requested_algorithm("auto") == "auto" and not g.joined:
-            lean = g.routes.get((x.nbytes, x.dtype, op)) or _lean(g, x.nbytes, x.dtype, op)
+            lean = g.routes.get((x.nbytes, x.dtype, op, _CHECKS.on)) or _lean(g, x.nbytes, x.dtype, op)
             if lean.route is not None and _run_lean(g, x, op, lean):
                 return x
     except CollectiveMismatchError as e:
@@ -338,7 +340,7 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
                 entry.inband = inband if inband is not None and inband.run is not None else None
                 if _NativeCall.plain(op, dtype):
                     entry.native = _NativeCall(g, op, name, count, route.algorithm)
-    _cache(g, (nbytes, dtype, op), entry)
+    _cache(g, (nbytes, dtype, op, _CHECKS.on), entry)  # the route may depend on the check (_route)
     return entry
 
 
