@@ -51,15 +51,18 @@ typedef struct { uint64_t words[16]; } Status;   /* larger than any MPI_Status *
         for (Py_ssize_t i = 0; i < n; i++) { T a = o[i], b = s[i]; o[i] = (EXPR); } \
     } while (0)
 
-#define COMBINE_TYPE(T)                                                        \
+/* LOOP(T, the op's expression of a and b) for `op`: one switch for both combine kernels. */
+#define FOR_OP(T, LOOP)                                                        \
     do {                                                                       \
         switch (op) {                                                          \
-        case OP_SUM: case OP_AVG: COMBINE_LOOP(T, a + b); break;               \
-        case OP_PROD: COMBINE_LOOP(T, a * b); break;                           \
-        case OP_MIN: COMBINE_LOOP(T, KERNEL_MIN(a, b)); break;                    \
-        case OP_MAX: COMBINE_LOOP(T, KERNEL_MAX(a, b)); break;                    \
+        case OP_SUM: case OP_AVG: LOOP(T, a + b); break;                       \
+        case OP_PROD: LOOP(T, a * b); break;                                   \
+        case OP_MIN: LOOP(T, KERNEL_MIN(a, b)); break;                         \
+        case OP_MAX: LOOP(T, KERNEL_MAX(a, b)); break;                         \
         }                                                                      \
     } while (0)
+
+#define COMBINE_TYPE(T) FOR_OP(T, COMBINE_LOOP)
 
 /* acc[i] = acc[i] op in[i], n elements: the left neighbour's partial result is the right
  * operand, as in the Python ring (reduce_into). */
@@ -74,15 +77,7 @@ static void combine(void *acc, const void *in, Py_ssize_t n, int dtype, int op) 
         for (Py_ssize_t i = 0; i < n; i++) { T a = l[i], b = r[i]; o[i] = (EXPR); } \
     } while (0)
 
-#define COMBINE3_TYPE(T)                                                       \
-    do {                                                                       \
-        switch (op) {                                                          \
-        case OP_SUM: case OP_AVG: COMBINE3_LOOP(T, a + b); break;              \
-        case OP_PROD: COMBINE3_LOOP(T, a * b); break;                          \
-        case OP_MIN: COMBINE3_LOOP(T, KERNEL_MIN(a, b)); break;                \
-        case OP_MAX: COMBINE3_LOOP(T, KERNEL_MAX(a, b)); break;                \
-        }                                                                      \
-    } while (0)
+#define COMBINE3_TYPE(T) FOR_OP(T, COMBINE3_LOOP)
 
 /* out[i] = left[i] op right[i], n elements; out may be left or right (element by element). */
 static void combine3(void *out, const void *left, const void *right, Py_ssize_t n, int dtype, int op) {
@@ -314,8 +309,9 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  *       call come last, so that Python binds the rest once.
  *   mine, theirs: rows of header + 16 + the group's largest in-band data; mine gets `header`
  *   with its first int64 set to `seq`, and the state [0, decision]. data: this rank's data,
- *   reduced in place (0 bytes: a plain check). where: two int32, [the rank waited for, the stage: 0 an extra's part,
- *   k + 1 step k, steps + 1 the result of an extra], read by the stall watchdog's thread.
+ *   reduced in place (0 bytes: a plain check). where: two int32, [the rank waited for, the
+ *   stage: 0 an extra's part, k + 1 step k, steps + 1 the result of an extra], read by the
+ *   stall watchdog's thread.
  *   clock: a double that holds the monotonic time (Python's time.monotonic) the call began
  *   while it waits, 0.0 otherwise (watchdog.ClockedWait), so the call needs no Python around
  *   it to be watched. */

@@ -442,9 +442,10 @@ def _checked_native(g: Group, dtype: np.dtype, nbytes: int, key: tuple) -> tuple
 class DecisionCheck:
     """The agreement check over MPI for one kind of call, with rank 0's decision (an int64) on
     it: an in-band all-reduce of that one number (a sum to which only rank 0 adds) under the
-    call's own header, so the C check of ``guard.InbandCall`` runs it instead of
-    ``guard.agree``'s Python (mpi4py calls, a watch per call), where more ranks than cores make
-    every microsecond of Python several of the call's.
+    call's own header, run by ``guard.InbandCall`` with everything bound once. ``guard.agree``
+    runs the same C check but builds its header, watch text and buffers' lookup on every call:
+    a few µs of Python, where more ranks than cores make every microsecond several of the
+    call's.
 
     Every rank makes the same choice between this and ``guard.agree`` for a given header
     (``for_group`` reads only group-wide facts: ``group.inband``, the same on every rank); both

@@ -45,7 +45,7 @@ class Wait:
 
     __slots__ = ("what", "waiting_for", "since", "grace", "_dog", "_key", "_previous")
 
-    def __init__(self, dog: "Watchdog", what: Text, waiting_for: Callable[[], str], grace: "Grace") -> None:
+    def __init__(self, dog: "Watchdog", what: Text, waiting_for: Callable[[], str], grace: Grace) -> None:
         self.what = what  # e.g. "allreduce(sum, float32, 1000 elements, ring) on world"
         self.waiting_for = waiting_for  # describes the ranks not arrived yet
         # extra seconds (ranks that wait on a rank which itself waits give that one time to report):
