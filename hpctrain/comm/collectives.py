@@ -195,6 +195,10 @@ def allreduce_(x: Any, op: str = "sum", algorithm: str = "auto", group: Optional
                     x.flags.c_contiguous and x.flags.writeable):  # MPI_Allreduce, bound once
                 lean.native(x)
                 return x
+            elif lean.tuned is not None and x.ndim == 1 and x.flags.c_contiguous and x.flags.writeable and not (
+                    g.shared_buffers and _find_shared(g, x) is not None):  # auto's run-time choice, bound once
+                lean.tuned(x, x.shape)
+                return x
             elif lean.route is not None and _run_lean(g, x, op, lean):
                 return x
             return _allreduce(x, op, algorithm, g, inplace=True)
@@ -303,7 +307,7 @@ class _Lean:
     exchange whatever buffer holds the data (run inline by ``allreduce_``), the header's
     reduction index, the kernels' dtype and op codes."""
 
-    __slots__ = ("route", "flags", "red", "code", "kop", "dtype_name", "header", "inband", "native")
+    __slots__ = ("route", "flags", "red", "code", "kop", "dtype_name", "header", "inband", "native", "tuned")
 
     def __init__(self, route: Optional[plan.Route], flags: bool = False, red: int = 0, code: int = 0,
                  kop: int = 0, dtype_name: str = "", count: int = 0) -> None:
@@ -316,6 +320,8 @@ class _Lean:
         self.inband: Optional[guard.InbandCall] = None
         # a native route with the check off: its MPI_Allreduce bound (set by _lean), else None
         self.native: Optional[_NativeCall] = None
+        # a tuned route on one node: its _TunedCall (set by _lean), else None
+        self.tuned: Optional[_TunedCall] = None
 
 
 _GENERAL = _Lean(None)
@@ -340,6 +346,8 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
                 entry.inband = inband if inband is not None and inband.run is not None else None
                 if _NativeCall.plain(op, dtype):
                     entry.native = _NativeCall(g, op, name, count, route.algorithm)
+            elif route.kind == "tuned" and g.topology.single_node:
+                entry.tuned = _tuned_call(g, nbytes, op, name, code, count, route.candidates)
     _cache(g, (nbytes, dtype, op, _CHECKS.on), entry)  # the route may depend on the check (_route)
     return entry
 
@@ -365,8 +373,12 @@ class _NativeCall:
         return op not in ("min", "max") or dtype.kind != "f"
 
     def __call__(self, x: np.ndarray) -> None:
+        self.group.seq += 1
+        self.reduce(x)
+
+    def reduce(self, x: np.ndarray) -> None:
+        """MPI_Allreduce of ``x`` in place; the caller has counted the call (``group.seq``)."""
         g = self.group
-        g.seq += 1
         clock = self.wait.clock
         clock[0] = _monotonic()
         try:
@@ -562,43 +574,93 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: 
                       what, nbytes: int, shape=None) -> None:
     """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
     concatenation: ``nbytes`` in all, ``word`` the header's count word) in place with the
-    algorithm the group's local rank 0 picks among ``candidates`` (``tuning.Tuner``).
-
-    Local rank 0 decides for a run of calls of this size class (``Tuner.choose_run``) and
-    sends the choice and the run's length in one flag exchange that is also the agreement
-    check (a sum in which only local rank 0 contributes); every rank then runs the same
-    algorithm. Within a run the piped path needs no exchange: it carries the agreement
-    header on its first flag, and a rank that arrives early starts without waiting — an
-    exchange in front of each piped call would line the ranks up and cost ~9 µs of
-    pipelining at 1 MiB. So runs longer than one call are taken only for the piped path (or
-    with the agreement check off); local rank 0 times every call for its tuner. ``what(algo)``:
-    the call, described for a stall report; ``shape``: the caller's, named if the check fails.
-    Across nodes: ``_tuned_across_nodes_``."""
+    algorithm the group's local rank 0 picks among ``candidates`` (``tuning.Tuner``): on one
+    node ``_TunedCall`` (``what`` is its own), across nodes ``_tuned_across_nodes_``.
+    ``what(algo)``: the call, described for a stall report; ``shape``: the caller's, named if
+    the check fails."""
     if not g.topology.single_node:
         _tuned_across_nodes_(g, out, op, dtype_name, word, candidates, what, nbytes, shape)
         return
-    flags = g.node_flags
-    dog = _world_state["watchdog"]
-    g.seq += 1
-    key = (tuning.size_class(nbytes), candidates)
-    deciding = flags.rank == 0
-    run = g.tuned_runs.get(key)
-    # timed from before the exchange: its wait holds the skew the previous call (the same
-    # algorithm, unless it just switched, which the tuner does not believe) left between ranks
-    start = time.perf_counter()
-    header = _flag_header(g.seq, op, code, word, _AUTO)
-    if run is not None and run[1] > 0:  # inside a run (the piped path, or checks off): no exchange,
-        run[1] -= 1                     # the piped path checks the header on its first flag
-        algo = candidates[run[0]]
-    else:
-        algo = _tuned_choice(g, key, candidates, header, deciding, dog, what, shape)
-        header = None  # checked in the exchange
-    if algo == "shm":  # takes a list of buffers as it is
-        flags.allreduce_piped(out, code, op, g.size, header, dog, lambda: what(algo), g.describe_ranks, g, shape)
-    else:
-        _run_picked(g, algo, out, op, dtype_name, dog, what, shape)
-    if deciding:
-        g.tuner.record(key, algo, time.perf_counter() - start)
+    key = ("tuned", nbytes, op, dtype_name, word, candidates)
+    call = g.routes.get(key) or _tuned_call(g, nbytes, op, dtype_name, code, word, candidates)
+    call(out, shape)
+
+
+def _tuned_call(g: Group, nbytes: int, op: str, dtype_name: str, code: int, word: int,
+                candidates: Tuple[str, ...]) -> "_TunedCall":
+    call = _TunedCall(g, nbytes, op, dtype_name, code, word, candidates)
+    _cache(g, ("tuned", nbytes, op, dtype_name, word, candidates), call)
+    return call
+
+
+class _TunedCall:
+    """``auto``'s run-time choice on one node for one kind of call (size, dtype, op, count
+    word, candidates), its fixed facts bound once; cached on the group, run by the lean path
+    (1-D arrays) and by the executor (any shape, lists of arrays).
+
+    Local rank 0 decides for a run of calls of this size class (``Tuner.choose_run``: up to
+    ``TUNED_RUN_CALLS`` of the running best; trials call by call) and sends the choice and the
+    run's length in one flag exchange that is also the agreement check (a sum in which only
+    local rank 0 contributes); every rank then runs the same algorithm. Within a run nothing
+    is decided: the piped path carries the agreement header on its first flag (a rank that
+    arrives early starts without waiting; an exchange in front of each piped call would line
+    the ranks up and cost ~9 µs of pipelining at 1 MiB), another pick checks it in a flag
+    exchange of its own. Local rank 0 times every call for its tuner, from before the
+    exchange: its wait holds the skew the previous call (the same algorithm, unless it just
+    switched, which the tuner does not believe) left between ranks.
+
+    Why bound, and why runs for every pick: between two all-reduces of a few MiB the caches
+    hold the data just reduced, not the interpreter's, and each Python call costs several
+    times what it costs warm. With 2 ranks at 4 MiB the general path's layers around
+    MPI_Allreduce (the tuner's usual pick there) cost ~0.1 ms, a tenth of the call, and the
+    decision every call another ~0.05 ms; here MPI_Allreduce runs through ``_NativeCall``."""
+
+    __slots__ = ("group", "key", "candidates", "op", "dtype_name", "code", "red", "word", "deciding", "what",
+                 "native")
+
+    def __init__(self, g: Group, nbytes: int, op: str, dtype_name: str, code: int, word: int,
+                 candidates: Tuple[str, ...]) -> None:
+        self.group, self.op, self.dtype_name, self.code, self.word = g, op, dtype_name, code, word
+        self.key = (tuning.size_class(nbytes), candidates)
+        self.candidates, self.red = candidates, _HEADER_OP[op]
+        self.deciding = g.node_flags.rank == 0
+        self.what = lambda algo: guard.describe_header(  # noqa: E731 - built only for a stall report
+            guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, 0)) + f" on {g.name}"
+        plain = "native" in candidates and dtype_name in _PLAIN_NATIVE and _NativeCall.plain(op, np.dtype(dtype_name))
+        self.native = _NativeCall(g, op, dtype_name, word, "native") if plain else None
+
+    def __call__(self, out, shape=None) -> None:
+        g = self.group
+        g.seq += 1
+        dog = _world_state["watchdog"]
+        run = g.tuned_runs.get(self.key)
+        start = _perf_counter()
+        header = _PACK(g.seq, _ALLREDUCE, self.red, self.code, self.word, _AUTO, 0, 0) if _CHECKS.on else None
+        if run is not None and run[1] > 0:  # inside a run: no decision; the piped path checks the
+            run[1] -= 1                     # header on its first flag, another pick in a flag exchange
+            algo = self.candidates[run[0]]
+            if header is not None and algo != "shm":  # (NodeFlags.agree, inlined)
+                status = g.node_flags.ctx.exchange(header, None, 0, 0, dog.timeout)
+                if status:
+                    g.node_flags.check(status, dog, lambda: self.what(algo), g.describe_ranks, g, shape)
+                header = None
+        else:
+            algo = _tuned_choice(g, self.key, self.candidates, header, self.deciding, dog, self.what, shape)
+            header = None  # checked in the exchange
+        if algo == "shm":  # takes a list of buffers as it is
+            g.node_flags.allreduce_piped(out, self.code, self.op, g.size, header, dog, lambda: self.what(algo),
+                                         g.describe_ranks, g, shape)
+        elif algo == "native" and self.native is not None and type(out) is np.ndarray:
+            self.native.reduce(out)
+        else:
+            _run_picked(g, algo, out, self.op, self.dtype_name, dog, self.what, shape)
+        if self.deciding:
+            g.tuner.record(self.key, algo, _perf_counter() - start)
+
+
+# dtypes whose MPI_Allreduce is one call of MPI's own type (float16 may need an upcast, bfloat16 does)
+_PLAIN_NATIVE = frozenset(name for name in DTYPE_CODES if name not in ("float16", "bfloat16"))
+_perf_counter = time.perf_counter
 
 
 def _run_picked(g: Group, algo: str, out, op: str, dtype_name: str, dog, what, shape=None) -> None:
@@ -670,9 +732,7 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
     if deciding:
         if g.tuner is None:
             g.tuner = tuning.Tuner()
-        # other algorithms than the piped path check agreement in this exchange, every call:
-        # they run call by call (and so count down the tuner's interval call by call)
-        name, calls = g.tuner.choose_run(key, candidates, TUNED_RUN_CALLS, None if not _CHECKS.on else _RUNNABLE)
+        name, calls = g.tuner.choose_run(key, candidates, TUNED_RUN_CALLS)
         choice[0] = 1 + candidates.index(name) + _RUN_SHIFT * (min(max(calls, 1), TUNED_RUN_CALLS) - 1)
     else:
         choice[0] = 0
@@ -691,7 +751,6 @@ def _tuned_choice(g: Group, key, candidates: Tuple[str, ...], header, deciding: 
 
 
 _RUN_SHIFT = 64  # choice value = candidate number + _RUN_SHIFT × (calls of the run − 1)
-_RUNNABLE = ("shm",)  # with the check on, only the piped path runs in runs (its first flag checks)
 
 
 def _exchange_failed(g: Group, x: np.ndarray, op: str, status: int, dog, shape=None) -> None:

@@ -340,9 +340,9 @@ def test_grouped_allreduce_bfloat16_and_errors():
 class CyclingTuner:
     """Stands in for local rank 0's tuner: runs every candidate in turn, so that each call
     takes another algorithm and a rank that did not follow the choice would deadlock or differ.
-    It asks for runs of 1, 3, 2 and 2 calls in turn (taken only where no exchange is needed:
-    the piped path, or the check off), so ranks must also follow runs without an exchange; a
-    cycle of four, so that among two or three candidates each is asked for runs longer than one."""
+    It asks for runs of 1, 3, 2 and 2 calls in turn, so ranks must also follow runs without a
+    decision; a cycle of four, so that among two or three candidates each runs in runs longer
+    than one."""
 
     RUNS = (1, 3, 2, 2)
 
@@ -410,15 +410,45 @@ def test_auto_runs_local_rank_0s_choice_on_every_rank(length, monkeypatch):
         expected = {"ring", "shm", "native"} if ring or length * 4 >= plan.LARGE_RING_BYTES else {"shm", "native"}
         assert set(stub.ran) == expected and len(stub.timings) == CALLS
         assert all(t > 0 for _, t in stub.timings)
-        # every call reported, and runs of the piped path (only) went on without a decision
+        # every call reported, and every pick's runs went on without a decision (checked, with
+        # the check on, on the piped path's first flag or in an exchange of their own)
         ran = [name for name, _ in stub.timings]
-        assert len(stub.ran) < CALLS and ran.count("shm") > stub.ran.count("shm")
-        from hpctrain.comm import guard
-
-        if guard.checks_enabled():  # other algorithms check agreement in the exchange: runs of 1
-            assert ran.count("native") == stub.ran.count("native")
+        assert len(stub.ran) < CALLS and all(ran.count(name) > stub.ran.count(name) for name in expected)
     else:  # only local rank 0 decides; nothing tuned without flags or with HPCTRAIN_AUTOTUNE=0
         assert stub.ran == []
+
+
+class RunningTuner(CyclingTuner):
+    """Always MPI_Allreduce, in runs of 16 calls: every call after a run's first is decided by
+    no one and checked in a flag exchange of its own."""
+
+    def choose_run(self, key, candidates, max_calls, runnable=None):
+        self.ran.append("native")
+        return "native", max_calls
+
+
+def test_a_mismatch_inside_a_run_of_mpi_allreduce_is_an_error_on_every_rank():
+    g = comm.world()
+    if not (g.autotune and g.topology.single_node and comm.checks_enabled()):
+        pytest.skip("needs auto's run-time choice on one node with the agreement check on")
+    saved, g.tuner = g.tuner, RunningTuner()
+    g.routes.clear()
+    g.tuned_runs.clear()
+    try:
+        x = np.ones(300_000, np.float32)
+        comm.allreduce_(x)  # decides: a run of MPI_Allreduce
+        np.testing.assert_array_equal(x, np.full(300_000, N, np.float32))
+        comm.allreduce_(x)  # inside the run: agreed without a decision
+        mine = np.ones(300_000 + (R == N - 1), np.float32)  # the same size class: inside the run too
+        with pytest.raises(comm.CollectiveMismatchError, match="300001"):
+            comm.allreduce_(mine)
+        if g.node_flags.rank == 0:
+            assert g.tuner.ran == ["native"] and len(g.tuner.timings) == 2
+    finally:
+        g.tuner = saved
+        g.routes.clear()
+        g.tuned_runs.clear()
+    comm.barrier()
 
 
 def test_tuner_learns_on_local_rank_0_only():

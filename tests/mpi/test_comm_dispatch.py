@@ -85,10 +85,11 @@ def check(out, length, dtype, op, nan=False):
 
 
 def inline_call(g, x, op):
-    """The lean path's call that runs without the executor for a native route: the data on the
-    check (check on) or MPI_Allreduce bound once (check off); None for neither."""
+    """The lean path's call that runs without the executor: for a native route the data on the
+    check (check on) or MPI_Allreduce bound once (check off), for a tuned route on one node
+    its _TunedCall; None for none."""
     entry = collectives._lean(g, x.nbytes, x.dtype, op)
-    return x.ndim == 1 and (entry.inband if comm.checks_enabled() else entry.native)
+    return x.ndim == 1 and (entry.tuned or (entry.inband if comm.checks_enabled() else entry.native))
 
 
 def run_both(g, length, dtype, op, spy, nan=False):
