@@ -8,7 +8,7 @@ Competitors: the MPI library's MPI_Allreduce in place (`mpi`), hpctrain's `auto`
 agreement check on and off, and `native` (MPI_Allreduce forced through the general path)
 with the check on. Before the rounds, `auto` runs enough calls to finish its run-time
 tuner's first trials. Prints the median, the 10th percentile and the ratio of medians
-(MPI / competitor: above 1, faster than MPI).
+(MPI / competitor: above 1, faster than MPI), and how often the tuner picked each candidate.
 
   hpctrain launch -n 2 -- python benchmarks/call_overhead.py --sizes 4MiB,8MiB --rounds 500
 """
@@ -66,9 +66,13 @@ def main() -> None:
             runs["auto-check"]()
         for run in runs.values():
             run()
+        before = comm.tuned_counts(nbytes)
         times = rounds(runs, args.rounds, mpi_comm.Barrier)
         comm.set_checks(checks)
         if comm.rank() == 0:
+            picks = {name: ran - before.get(name, 0) for name, ran in comm.tuned_counts(nbytes).items()}
+            if picks:
+                print(f"{nbytes:>10} auto's picks in the rounds (both checks): {picks}")
             reference = np.median(times["mpi"])
             for name, values in times.items():
                 us = np.array(values) * 1e6
