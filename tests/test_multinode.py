@@ -117,18 +117,22 @@ def test_bench_allreduce_reports_two_nodes(multinode_cluster, tmp_path):
     hierarchical and native side by side (tiny sizes: a smoke test, not a measurement)."""
     out_json = tmp_path / "bench.json"
     argv = [str(Path(python_argv()[0]).parent / "hpctrain"), "bench", "allreduce",
-            "--sizes", "4KiB,256KiB", "--algos", "mpi,native,ring,hierarchical,auto",
+            "--sizes", "4KiB,256KiB", "--algos", "mpi,native,ring,hierarchical,auto,auto-check",
             "--iters", "2", "--warmup", "1", "--repeats", "1", "--json", str(out_json)]
     proc = run_mpi_on_cluster("node1:2,node2:2", argv, timeout=120)
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "ranks=4 nodes=2 layout: node1:[0, 1]  node2:[2, 3]" in proc.stdout, proc.stdout[-4000:]
     records = json.loads(out_json.read_text())
     seen = {(r["algo"], r["bytes"]) for r in records}
-    for algo in ("mpi", "native", "ring", "hierarchical", "auto"):
+    for algo in ("mpi", "native", "ring", "hierarchical", "auto", "auto-check"):
         for nbytes in (4096, 262144):
             assert (algo, nbytes) in seen, f"no {algo} at {nbytes} B in {sorted(seen)}"
     chosen = {r["bytes"]: r["chosen"] for r in records if r["algo"] == "auto"}
     assert chosen[262144] == "ring", chosen  # auto across nodes: the ring from 256 KiB (HPCTRAIN_CROSS_NODE_RING_BYTES)
+    # with the check on, up to HPCTRAIN_CHECK_INBAND_BYTES (256 KiB at 4 ranks) the data rides on
+    # the check: a native route, labelled as the route the timed calls took
+    checked = {r["bytes"]: r["chosen"] for r in records if r["algo"] == "auto-check"}
+    assert checked[262144] == "native", checked
 
 
 def test_probe_cluster_view_lists_both_nodes(multinode_cluster):

@@ -247,7 +247,9 @@ def measure(runners, sizes, dtype, args, records, on_size: Callable[[List[dict]]
                         tuned[algo][name] = tuned[algo].get(name, 0) + ran - before.get(name, 0)
         for algo in names:
             if algo.startswith("auto"):
-                route = comm.allreduce_route(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc", dtype=dtype)
+                with setting_of(runners[algo](buf)):  # the route as timed (auto-check's with the check on)
+                    route = comm.allreduce_route(count * np.dtype(dtype).itemsize, shared=algo == "auto-zc",
+                                                 dtype=dtype)
                 fixed = route.candidates[0] if route.kind == "tuned" else route.algorithm
                 chosen[algo] = comm.broadcast_object(chosen_label(fixed, tuned[algo]))
         rows = []
