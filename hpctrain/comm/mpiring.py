@@ -131,8 +131,10 @@ def check_call(comm, rank: int, size: int, mine: np.ndarray, theirs: np.ndarray,
     error code (raise it with ``_failed``). ``mine``, ``theirs``: the check's rows
     (``guard.CheckIO``); ``where``: two int32 the call keeps the rank and stage it waits for
     in; ``clock``: the double it keeps its start time in while it waits (``ClockedWait``)."""
+    from .guard import CHECK_PIECE_BYTES
+
     return functools.partial(_mpiring.check, comm.handle, MPI.BYTE.handle, rank, size, mine, theirs, dtype_code,
-                             OP_CODES[op], size, tag, where, clock)
+                             OP_CODES[op], size, tag, CHECK_PIECE_BYTES, where, clock)
 
 
 def _failed(err: int, what: str) -> None:

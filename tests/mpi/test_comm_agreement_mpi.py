@@ -100,8 +100,9 @@ CASES = [(dtype, op) for dtype in ("float32", "float64", "float16", "int8", "int
 @pytest.mark.parametrize("dtype,op", CASES)
 def test_small_calls_ride_on_the_check_with_mpis_results(dtype, op, mpi_allreduces):
     length = WORLD.inband // np.dtype(dtype).itemsize
+    split = min(WORLD.inband, 96 << 10) // np.dtype(dtype).itemsize  # a part in two messages
     assert length > 0
-    for n in (1, 7, length):
+    for n in (1, 7, split, length):
         x = rank_data(n, dtype, R)
         got = comm.allreduce(x, op=op)
         want = rank_data(n, dtype, R)
@@ -112,7 +113,7 @@ def test_small_calls_ride_on_the_check_with_mpis_results(dtype, op, mpi_allreduc
             np.testing.assert_array_equal(got, want)
         every = comm.allgather_object(got.tobytes())  # merged in one order: the same bits everywhere
         assert every.count(every[0]) == N
-    assert mpi_allreduces == [x.nbytes for x in (rank_data(n, dtype, 0) for n in (1, 7, length))]  # ours only
+    assert mpi_allreduces == [x.nbytes for x in (rank_data(n, dtype, 0) for n in (1, 7, split, length))]  # ours only
 
 
 def test_nan_in_min_and_max_on_the_check_as_everywhere(mpi_allreduces):
@@ -194,9 +195,11 @@ def test_ranks_in_c_and_in_python_interoperate(python_on, monkeypatch):
     monkeypatch.setattr(mpiring, "ENABLED", R != p)
     g = comm.new_group(list(range(N)))  # its own cache of how calls ride on the check
     try:
-        for dtype in ("float32", "int64"):
-            got = comm.allreduce(rank_data(9, dtype, R), op="max", group=g)
-            np.testing.assert_array_equal(got, np.max([rank_data(9, dtype, r) for r in range(N)], axis=0))
+        # 96 KiB: a part in two messages (guard.CHECK_PIECE_BYTES), cut alike in C and Python
+        for dtype, n in (("float32", 9), ("int64", 9), ("int64", min(WORLD.inband, 96 << 10) // 8),
+                         ("int64", WORLD.inband // 8)):
+            got = comm.allreduce(rank_data(n, dtype, R), op="max", group=g)
+            np.testing.assert_array_equal(got, np.max([rank_data(n, dtype, r) for r in range(N)], axis=0))
         mismatch = r"ranks 1 \(world rank 1\) called allreduce\(sum, float32, 5 elements"
         with pytest.raises(comm.CollectiveMismatchError, match=mismatch):
             comm.allreduce(np.ones(5 if R == 1 else 4, dtype=np.float32), group=g)

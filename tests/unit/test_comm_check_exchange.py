@@ -16,32 +16,33 @@ from hpctrain.comm.errors import CollectiveMismatchError
 from hpctrain.comm.plan import check_schedule
 
 
+class Request:
+    def __init__(self, wait=lambda: None):
+        self.Wait = wait
+
+
 class FakeComm:
     """Point-to-point messages between threads (one queue per ordered pair of ranks: MPI keeps
-    one sender's messages in order) and an allgather; what guard's check calls."""
+    one sender's messages in order; a send completes at once, a receive when waited on) and an
+    allgather; what guard's check calls. Records every message's size."""
 
     def __init__(self, rank, hub):
         self.rank, self.hub = rank, hub
 
-    def _put(self, spec, dest):
-        buf, count = spec[0], spec[1]
-        self.hub.queues[(self.rank, dest)].put(bytes(buf.reshape(-1)[:count]))
+    def Isend(self, spec, dest, tag):
+        message = bytes(spec[0].reshape(-1))
+        self.hub.sizes.append(len(message))
+        self.hub.queues[(self.rank, dest)].put(message)
+        return Request()
 
-    def _get(self, spec, source):
-        message = self.hub.queues[(source, self.rank)].get(timeout=20)
-        buf = spec[0].reshape(-1)
-        assert len(message) <= buf.nbytes, "a message larger than the receive buffer (MPI: truncation)"
-        buf[:len(message)] = np.frombuffer(message, np.uint8)
+    def Irecv(self, spec, source, tag):
+        def wait():
+            message = self.hub.queues[(source, self.rank)].get(timeout=20)
+            buf = spec[0].reshape(-1)
+            assert len(message) <= buf.nbytes, "a message larger than the receive buffer (MPI: truncation)"
+            buf[:len(message)] = np.frombuffer(message, np.uint8)
 
-    def Sendrecv(self, send, dest, sendtag, recv, source, recvtag):
-        self._put(send, dest)
-        self._get(recv, source)
-
-    def Send(self, send, dest, tag):
-        self._put(send, dest)
-
-    def Recv(self, recv, source, tag):
-        self._get(recv, source)
+        return Request(wait)
 
     def allgather(self, obj):
         self.hub.gathered[self.rank] = obj
@@ -58,6 +59,7 @@ class Hub:
     def __init__(self, size):
         self.size = size
         self.queues = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+        self.sizes = []  # every message's bytes
         self.gathered = [None] * size
         self.barrier = threading.Barrier(size)
 
@@ -168,3 +170,44 @@ def test_float16_sums_in_float32_rounded_once_and_integer_averages_truncate():
         return x
 
     assert all(x.tolist() == [3, -3] for x in run_ranks(2, average_of_two))  # toward zero
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_parts_larger_than_a_piece_travel_in_two_messages_and_calls_of_other_sizes_still_mismatch(size,
+                                                                                                   monkeypatch):
+    """Pieces of 512 bytes: an in-band sum of 100 float64 (80 + 800 bytes a part, at most two
+    pieces) travels as 512 + 368 bytes, with the same bits everywhere; a rank whose call holds
+    20 elements (one message) is a mismatch on every rank, and no message is left unreceived."""
+    monkeypatch.setattr(guard, "CHECK_PIECE_BYTES", 512)
+    rng = np.random.default_rng(size)
+    data = [rng.standard_normal(100) for _ in range(size)]
+
+    def body(g):
+        x = data[g.rank].copy()
+        exchange(g, header(count=100), Dog(), None, lambda: "allreduce", 0, x, "sum", "float64")
+        return x
+
+    hub_sizes = []
+
+    def recording(body):
+        def run(g):
+            hub_sizes.append(g.ctl_comm.hub.sizes)
+            return body(g)
+        return run
+
+    out = run_ranks(size, recording(body))
+    assert all(x.tobytes() == out[0].tobytes() for x in out)
+    np.testing.assert_allclose(out[0], np.sum(data, axis=0), rtol=1e-12)
+    assert hub_sizes[0] and set(hub_sizes[0]) == {512, 80 + 800 - 512}
+
+    hubs = []
+
+    def odd_one(g):
+        hubs.append(g.ctl_comm.hub)
+        count = 20 if g.rank == size - 1 else 100
+        x = np.ones(count)
+        return exchange(g, header(count=count), Dog(), None, lambda: "allreduce", 0, x, "sum", "float64")
+
+    out = run_ranks(size, odd_one)
+    assert all(isinstance(e, CollectiveMismatchError) for e in out), out
+    assert all(q.empty() for q in hubs[0].queues.values())

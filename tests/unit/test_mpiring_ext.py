@@ -107,7 +107,10 @@ class FakeMPI:
         self.incoming = incoming
         self.fail_recv, self.error = fail_recv, error
         self.posted, self.cancelled, self.recvs, self.next = {}, [], 0, 1
+        # receives take the messages of ``incoming`` (an array: one message; a list: several) in turn
+        self.messages = [] if incoming is None else list(incoming) if isinstance(incoming, list) else [incoming]
         self.sent = []  # the bytes of every send
+        self.received = []  # the bytes each receive took
         self.on_wait = lambda: None  # called in every wait (the C call has released the GIL)
         post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
                                 ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p)
@@ -132,8 +135,11 @@ class FakeMPI:
         self.recvs += 1
         if self.recvs == self.fail_recv:
             return self.error
-        if self.incoming is not None:
-            self.ctypes.memmove(buf, self.incoming.ctypes.data, min(nbytes, self.incoming.nbytes))
+        if self.messages:
+            message = np.ascontiguousarray(self.messages.pop(0))
+            assert message.nbytes <= nbytes, "a message larger than its receive (MPI: truncation)"
+            self.ctypes.memmove(buf, message.ctypes.data, message.nbytes)
+            self.received.append(message.nbytes)
         return self._post("recv", req)
 
     def wait(self, req, status):
@@ -195,16 +201,18 @@ def shmsync_op(op):
 
 
 def part(header: bytes, seq: int, state, data: np.ndarray) -> np.ndarray:
-    """A part of the check as it travels: header (its first int64 the sequence), state, data."""
+    """A part of the check as it travels: header (its first int64 the sequence), state
+    [flag, decision] with the data's bytes appended, data."""
     words = np.frombuffer(header, np.int64).copy()
     words[0] = seq
+    state = list(state) + [data.nbytes]
     return np.concatenate([words.view(np.uint8), np.array(state, np.int64).view(np.uint8), data.view(np.uint8)])
 
 
-def check_args(x, clock, where=None, rows=72 + 32, header=bytes(range(56)), mine=None, decision=5):
+def check_args(x, clock, where=None, rows=80 + 32, header=bytes(range(56)), mine=None, decision=5, piece=4096):
     where = np.zeros(2, np.int32) if where is None else where
     mine = np.zeros(rows, np.uint8) if mine is None else mine
-    return (1, 1, 1, 2, mine, np.zeros(rows, np.uint8), F32, 0, 2, 101, where, clock, header, x, 7, decision)
+    return (1, 1, 1, 2, mine, np.zeros(rows, np.uint8), F32, 0, 2, 101, piece, where, clock, header, x, 7, decision)
 
 
 def test_the_check_swaps_parts_and_reduces_with_the_lower_ranks_part_first(fake_mpi):
@@ -222,13 +230,13 @@ def test_the_check_swaps_parts_and_reduces_with_the_lower_ranks_part_first(fake_
     seen = []
     fake.on_wait = lambda: seen.append((clock[0], tuple(where)))
     x = np.arange(4, dtype=np.float32)
-    mine = np.zeros(72 + 32, np.uint8)
+    mine = np.zeros(80 + 32, np.uint8)
     before = time.monotonic()
     err = _mpiring.check(*check_args(x, clock, where, mine=mine))
     after = time.monotonic()
     assert err == 0 and x.tolist() == [10, 21, 32, 43]
     assert fake.sent == [part(header, 7, [0, 5], np.arange(4, dtype=np.float32)).tobytes()]  # its decision: 5
-    assert mine[56:72].view(np.int64).tolist() == [0, 42]  # agreed; rank 0's decision
+    assert mine[56:80].view(np.int64).tolist() == [0, 42, 16]  # agreed; rank 0's decision; its data bytes
     assert seen and all(before <= t <= after and w == (0, 1) for t, w in seen), (before, seen, after)
     assert clock[0] == 0.0
 
@@ -252,4 +260,41 @@ def test_the_check_refuses_a_clock_or_where_it_cannot_write_or_rows_too_small():
     with pytest.raises(ValueError, match="where"):
         _mpiring.check(*check_args(x, array.array("d", [0.0]), where=np.zeros(1, np.int32)))
     with pytest.raises(ValueError, match="rows"):
-        _mpiring.check(*check_args(x, array.array("d", [0.0]), rows=72 + 8))
+        _mpiring.check(*check_args(x, array.array("d", [0.0]), rows=80 + 8))
+    with pytest.raises(ValueError, match="pieces"):
+        _mpiring.check(*check_args(x, array.array("d", [0.0]), piece=72))
+
+
+@pytest.mark.parametrize("piece,messages", [(256, [256, 224]), (200, [480]), (480, [480])])
+def test_a_part_up_to_two_pieces_travels_in_two_messages_and_theirs_is_read_as_its_state_says(fake_mpi, piece,
+                                                                                                messages):
+    """A part of 80 + 400 bytes: as 256 + 224 bytes with pieces of 256 (more than one piece,
+    at most two), whole with pieces of 200 (more than two) or 480 (one); rank 0's part comes
+    the same way, its second message received as the first one's state says."""
+    header = bytes(range(56))
+    theirs = np.arange(100, dtype=np.float32) * 10
+    incoming = part(header, 7, [0, 42], theirs)
+    cuts = np.cumsum(messages)[:-1]
+    fake = fake_mpi(incoming=np.split(incoming, cuts))
+    x = np.arange(100, dtype=np.float32)
+    rows = 80 + 400
+    err = _mpiring.check(*check_args(x, array.array("d", [0.0]), rows=rows, mine=np.zeros(rows, np.uint8),
+                                     piece=piece))
+    assert err == 0 and x.tolist() == (theirs + np.arange(100, dtype=np.float32)).tolist()
+    assert [len(m) for m in fake.sent] == messages
+    assert b"".join(fake.sent) == part(header, 7, [0, 5], np.arange(100, dtype=np.float32)).tobytes()
+    assert fake.received == messages and fake.posted == {}
+
+
+def test_a_partner_with_less_data_is_received_whole_and_is_a_mismatch(fake_mpi):
+    """The partner (in another call) sends a plain check's part, 80 bytes: one receive, no
+    receive left waiting for pieces it never sends, and the headers differ."""
+    header = bytes(range(56))
+    other = bytearray(header)
+    other[40] ^= 1
+    fake = fake_mpi(incoming=part(bytes(other), 7, [0, 0], np.zeros(0, np.float32)))
+    x = np.arange(100, dtype=np.float32)
+    rows = 80 + 400
+    err = _mpiring.check(*check_args(x, array.array("d", [0.0]), rows=rows, mine=np.zeros(rows, np.uint8), piece=256))
+    assert err == -1 and fake.received == [80] and fake.posted == {}
+    assert x.tolist() == list(range(100))
