@@ -320,8 +320,8 @@ class _Lean:
         self.inband: Optional[guard.InbandCall] = None
         # a native route with the check off: its MPI_Allreduce bound (set by _lean), else None
         self.native: Optional[_NativeCall] = None
-        # a tuned route on one node: its _TunedCall (set by _lean), else None
-        self.tuned: Optional[_TunedCall] = None
+        # a tuned route: its _TunedCall or _TunedAcrossNodes (set by _lean), else None
+        self.tuned: Optional[_BoundTuned] = None
 
 
 _GENERAL = _Lean(None)
@@ -346,7 +346,7 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
                 entry.inband = inband if inband is not None and inband.run is not None else None
                 if _NativeCall.plain(op, dtype):
                     entry.native = _NativeCall(g, op, name, count, route.algorithm)
-            elif route.kind == "tuned" and g.topology.single_node:
+            elif route.kind == "tuned":
                 entry.tuned = _tuned_call(g, nbytes, op, name, code, count, route.candidates)
     _cache(g, (nbytes, dtype, op, _CHECKS.on), entry)  # the route may depend on the check (_route)
     return entry
@@ -574,29 +574,58 @@ def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: 
                       what, nbytes: int, shape=None) -> None:
     """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
     concatenation: ``nbytes`` in all, ``word`` the header's count word) in place with the
-    algorithm the group's local rank 0 picks among ``candidates`` (``tuning.Tuner``): on one
-    node ``_TunedCall`` (``what`` is its own), across nodes ``_tuned_across_nodes_``.
-    ``what(algo)``: the call, described for a stall report; ``shape``: the caller's, named if
-    the check fails."""
-    if not g.topology.single_node:
-        _tuned_across_nodes_(g, out, op, dtype_name, word, candidates, what, nbytes, shape)
-        return
+    algorithm the group's local rank 0 (across nodes: its rank 0) picks among ``candidates``
+    (``tuning.Tuner``), through the group's cached ``_TunedCall`` or ``_TunedAcrossNodes``
+    (``what``, the executor's description of the call, is theirs too); ``shape``: the
+    caller's, named if the check fails."""
     key = ("tuned", nbytes, op, dtype_name, word, candidates)
     call = g.routes.get(key) or _tuned_call(g, nbytes, op, dtype_name, code, word, candidates)
     call(out, shape)
 
 
 def _tuned_call(g: Group, nbytes: int, op: str, dtype_name: str, code: int, word: int,
-                candidates: Tuple[str, ...]) -> "_TunedCall":
-    call = _TunedCall(g, nbytes, op, dtype_name, code, word, candidates)
+                candidates: Tuple[str, ...]) -> "_BoundTuned":
+    if g.topology.single_node:
+        call: _BoundTuned = _TunedCall(g, nbytes, op, dtype_name, code, word, candidates)
+    else:
+        call = _TunedAcrossNodes(g, nbytes, op, dtype_name, code, word, candidates)
     _cache(g, ("tuned", nbytes, op, dtype_name, word, candidates), call)
     return call
 
 
-class _TunedCall:
-    """``auto``'s run-time choice on one node for one kind of call (size, dtype, op, count
-    word, candidates), its fixed facts bound once; cached on the group, run by the lean path
-    (1-D arrays) and by the executor (any shape, lists of arrays).
+class _BoundTuned:
+    """``auto``'s run-time choice for one kind of call (size, dtype, op, count word,
+    candidates), its fixed facts bound once; cached on the group, run by the lean path (1-D
+    arrays) and by the executor (any shape, lists of arrays).
+
+    Why bound: between two all-reduces of a few MiB the caches hold the data just reduced,
+    not the interpreter's, and each Python call costs several times what it costs warm (with
+    2 ranks at 4 MiB the general path's layers around MPI_Allreduce cost ~0.1 ms, a tenth of
+    the call; across nodes with more ranks than cores, more). MPI_Allreduce, often the pick,
+    runs through ``_NativeCall``."""
+
+    __slots__ = ("group", "key", "candidates", "op", "dtype_name", "word", "what", "native")
+
+    def __init__(self, g: Group, nbytes: int, op: str, dtype_name: str, word: int,
+                 candidates: Tuple[str, ...]) -> None:
+        self.group, self.op, self.dtype_name, self.word = g, op, dtype_name, word
+        self.key = (tuning.size_class(nbytes), candidates)
+        self.candidates = candidates
+        self.what = lambda algo: guard.describe_header(  # noqa: E731 - built only for a stall report
+            guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, 0)) + f" on {g.name}"
+        plain = "native" in candidates and dtype_name in _PLAIN_NATIVE and _NativeCall.plain(op, np.dtype(dtype_name))
+        self.native = _NativeCall(g, op, dtype_name, word, "native") if plain else None
+
+    def _run(self, algo: str, out, shape) -> None:
+        """Run the pick (not the piped path) on ``out``, after the agreement check."""
+        if algo == "native" and self.native is not None and type(out) is np.ndarray:
+            self.native.reduce(out)
+        else:
+            _run_picked(self.group, algo, out, self.op, self.dtype_name, _world_state["watchdog"], self.what, shape)
+
+
+class _TunedCall(_BoundTuned):
+    """``_BoundTuned`` on one node.
 
     Local rank 0 decides for a run of calls of this size class (``Tuner.choose_run``: up to
     ``TUNED_RUN_CALLS`` of the running best; trials call by call) and sends the choice and the
@@ -607,27 +636,16 @@ class _TunedCall:
     the ranks up and cost ~9 µs of pipelining at 1 MiB), another pick checks it in a flag
     exchange of its own. Local rank 0 times every call for its tuner, from before the
     exchange: its wait holds the skew the previous call (the same algorithm, unless it just
-    switched, which the tuner does not believe) left between ranks.
+    switched, which the tuner does not believe) left between ranks. Runs for every pick: with
+    2 ranks at 4 MiB a decision every call cost ~0.05 ms more."""
 
-    Why bound, and why runs for every pick: between two all-reduces of a few MiB the caches
-    hold the data just reduced, not the interpreter's, and each Python call costs several
-    times what it costs warm. With 2 ranks at 4 MiB the general path's layers around
-    MPI_Allreduce (the tuner's usual pick there) cost ~0.1 ms, a tenth of the call, and the
-    decision every call another ~0.05 ms; here MPI_Allreduce runs through ``_NativeCall``."""
-
-    __slots__ = ("group", "key", "candidates", "op", "dtype_name", "code", "red", "word", "deciding", "what",
-                 "native")
+    __slots__ = ("code", "red", "deciding")
 
     def __init__(self, g: Group, nbytes: int, op: str, dtype_name: str, code: int, word: int,
                  candidates: Tuple[str, ...]) -> None:
-        self.group, self.op, self.dtype_name, self.code, self.word = g, op, dtype_name, code, word
-        self.key = (tuning.size_class(nbytes), candidates)
-        self.candidates, self.red = candidates, _HEADER_OP[op]
+        super().__init__(g, nbytes, op, dtype_name, word, candidates)
+        self.code, self.red = code, _HEADER_OP[op]
         self.deciding = g.node_flags.rank == 0
-        self.what = lambda algo: guard.describe_header(  # noqa: E731 - built only for a stall report
-            guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, 0)) + f" on {g.name}"
-        plain = "native" in candidates and dtype_name in _PLAIN_NATIVE and _NativeCall.plain(op, np.dtype(dtype_name))
-        self.native = _NativeCall(g, op, dtype_name, word, "native") if plain else None
 
     def __call__(self, out, shape=None) -> None:
         g = self.group
@@ -650,11 +668,50 @@ class _TunedCall:
         if algo == "shm":  # takes a list of buffers as it is
             g.node_flags.allreduce_piped(out, self.code, self.op, g.size, header, dog, lambda: self.what(algo),
                                          g.describe_ranks, g, shape)
-        elif algo == "native" and self.native is not None and type(out) is np.ndarray:
-            self.native.reduce(out)
         else:
-            _run_picked(g, algo, out, self.op, self.dtype_name, dog, self.what, shape)
+            self._run(algo, out, shape)
         if self.deciding:
+            g.tuner.record(self.key, algo, _perf_counter() - start)
+
+
+class _TunedAcrossNodes(_BoundTuned):
+    """``_BoundTuned`` on a group that spans nodes: group rank 0 picks every call
+    (``tuning.Tuner``, timing each call from before the check to the end) and its pick rides
+    on the agreement check's verdict (``DecisionCheck``), so the choice costs no message of
+    its own. With the check off there is nothing to carry it: the fixed choice
+    (``candidates[0]``) runs."""
+
+    __slots__ = ("header", "check")
+
+    def __init__(self, g: Group, nbytes: int, op: str, dtype_name: str, code: int, word: int,
+                 candidates: Tuple[str, ...]) -> None:
+        super().__init__(g, nbytes, op, dtype_name, word, candidates)
+        self.header, self.check = g.routes.get(("decision", op, dtype_name, word)) or _tuned_check(
+            g, op, dtype_name, word)
+
+    def __call__(self, out, shape=None) -> None:
+        g, candidates = self.group, self.candidates
+        deciding = g.rank == 0 and _CHECKS.on
+        start = _perf_counter()
+        pick = 0
+        if deciding:
+            if g.tuner is None:
+                g.tuner = tuning.Tuner()
+            pick = 1 + candidates.index(g.tuner.choose(self.key, candidates))
+        if not _CHECKS.on:
+            g.seq += 1
+            got = 1
+        elif self.check is not None:
+            got = self.check(pick, shape)
+        else:
+            got = guard.agree(g, self.header.copy(), _world_state["watchdog"], shape, decision=pick)
+        if not 1 <= got <= len(candidates):
+            raise CommError(f"{self.what('auto')}: rank 0 of group '{g.name}' sent choice {got} for "
+                            f"{len(candidates)} candidates: the ranks disagree on the algorithms to choose from.\n"
+                            "HINT: every rank must run with the same HPCTRAIN_* settings")
+        algo = candidates[got - 1]
+        self._run(algo, out, shape)
+        if deciding:
             g.tuner.record(self.key, algo, _perf_counter() - start)
 
 
@@ -677,37 +734,6 @@ def _run_picked(g: Group, algo: str, out, op: str, dtype_name: str, dog, what, s
             algorithms.native_(g.comm, fused, op, dtype_name)
     if fused is not out:
         _scatter_back(fused, out)
-
-
-def _tuned_across_nodes_(g: Group, out, op: str, dtype_name: str, word: int, candidates: Tuple[str, ...],
-                         what, nbytes: int, shape=None) -> None:
-    """``_tuned_allreduce_`` on a group that spans nodes: group rank 0 picks (``tuning.Tuner``,
-    timing each call from before the check to the end) and its pick rides on the agreement
-    check's verdict, so the choice costs no message of its own. With the check off there is
-    nothing to carry it: the fixed choice (``candidates[0]``) runs."""
-    dog = _world_state["watchdog"]
-    key = (tuning.size_class(nbytes), candidates)
-    deciding = g.rank == 0 and _CHECKS.on
-    start = time.perf_counter()
-    pick = 0
-    if deciding:
-        if g.tuner is None:
-            g.tuner = tuning.Tuner()
-        pick = 1 + candidates.index(g.tuner.choose(key, candidates))
-    if _CHECKS.on:
-        header, check = g.routes.get(("decision", op, dtype_name, word)) or _tuned_check(g, op, dtype_name, word)
-        got = check(pick, shape) if check is not None else guard.agree(g, header.copy(), dog, shape, decision=pick)
-    else:
-        g.seq += 1
-        got = 1
-    if not 1 <= got <= len(candidates):
-        raise CommError(f"{what('auto')}: rank 0 of group '{g.name}' sent choice {got} for {len(candidates)} "
-                        "candidates: the ranks disagree on the algorithms to choose from.\n"
-                        "HINT: every rank must run with the same HPCTRAIN_* settings")
-    algo = candidates[got - 1]
-    _run_picked(g, algo, out, op, dtype_name, dog, what, shape)
-    if deciding:
-        g.tuner.record(key, algo, time.perf_counter() - start)
 
 
 def _tuned_check(g: Group, op: str, dtype_name: str, word: int) -> tuple:

@@ -86,8 +86,8 @@ def check(out, length, dtype, op, nan=False):
 
 def inline_call(g, x, op):
     """The lean path's call that runs without the executor: for a native route the data on the
-    check (check on) or MPI_Allreduce bound once (check off), for a tuned route on one node
-    its _TunedCall; None for none."""
+    check (check on) or MPI_Allreduce bound once (check off), for a tuned route its bound
+    call (collectives._BoundTuned); None for none."""
     entry = collectives._lean(g, x.nbytes, x.dtype, op)
     return x.ndim == 1 and (entry.tuned or (entry.inband if comm.checks_enabled() else entry.native))
 
