@@ -214,8 +214,8 @@ DECLARED: Tuple[Setting, ...] = (
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "
           "streamed shm path, `MPI_Allreduce`, and the ring: from 1 MiB at 3 ranks or more, from 32 MiB at 2) and "
           "runs the fastest, re-trying the others now and then; local rank 0 decides, every rank follows (one "
-          "flag exchange per run of up to 16 calls of the running best; trials call by call). Across nodes, from 128 KiB "
-          "and above the all-reduces that ride on the agreement check (HPCTRAIN_CHECK_INBAND_BYTES), among "
+          "flag exchange per run of up to 16 calls of the running best; trials call by call). Across nodes, "
+          "from 128 KiB and above the all-reduces that ride on the agreement check (HPCTRAIN_CHECK_INBAND_BYTES), among "
           "`MPI_Allreduce`, the ring and the hierarchical path: group rank 0 decides and its pick rides on "
           "the agreement check (with the check off, the fixed choice runs). 0 (on any rank of a node; across "
           "nodes rank 0's value: agreed when a group is made): fixed thresholds (reproducible choice)"),

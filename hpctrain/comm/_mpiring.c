@@ -297,10 +297,11 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  * `piece` bytes (header and state included) and the rest: over TCP a message above the 64 KiB
  * eager limit waits for a rendezvous round trip before its bulk leaves; two messages of up
  * to `piece` bytes leave at once (a 64 KiB in-band all-reduce across 2 x 2 nodes took 1-15%
- * less time). A larger part goes as one message (cut into pieces of 60 KiB, 128 and 256 KiB
- * took as long or longer: a rendezvous per message was not the only cost). The receiver learns from the first message whether
- * a second follows (the sender's data bytes), so ranks in calls of different sizes still
- * exchange whole parts and find the mismatch. At each step a core rank swaps
+ * less time). A larger part goes as one message (cut into 60 KiB pieces, 128 and 256 KiB
+ * parts took as long or longer: a rendezvous per message was not the only cost). The
+ * receiver learns from the first message whether a second follows (the sender's data
+ * bytes), so ranks in calls of different sizes still exchange whole parts and find the
+ * mismatch. At each step a core rank swaps
  * its part with rank ^ 2^k and merges: the flag is set when either flag is or the headers
  * differ; the decision is the lower rank's (so rank 0's in the end); while nothing differs the
  * data is reduced, the lower rank's part as the left operand, so both partners compute the same
@@ -441,8 +442,8 @@ static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
     } else if (clock.len < (Py_ssize_t)sizeof(double) || (uintptr_t)clock.buf % sizeof(double)) {
         PyErr_SetString(PyExc_ValueError, "_mpiring.check: clock must be an aligned, writable double");
     } else if (piece < header + STATE || piece > (1 << 30)) {
-        PyErr_Format(PyExc_ValueError, "_mpiring.check: pieces of %zd bytes, fewer than the %zd of header and state",
-                     piece, header + STATE);
+        PyErr_Format(PyExc_ValueError, "_mpiring.check: pieces of %zd bytes; they must hold header and state (%zd "
+                     "bytes) and be at most 1 GiB (pass guard.CHECK_PIECE_BYTES)", piece, header + STATE);
     } else if (header < 8 || header % 8 || mine.len != theirs.len || mine.len < header + STATE + data.len ||
                (uintptr_t)mine.buf % 8 || (uintptr_t)theirs.buf % 8 || mine.len > (1 << 30)) {
         PyErr_Format(PyExc_ValueError, "_mpiring.check: rows of %zd and %zd bytes (8-aligned) for a %zd-byte "

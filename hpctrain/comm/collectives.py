@@ -542,8 +542,7 @@ def _execute(g: Group, route: plan.Route, src, out, op: str, dtype_name: str, sh
     what = lambda algo=route.algorithm: guard.describe_header(  # noqa: E731 - built only for a stall report
         guard.make_header(g.seq, "allreduce", op, dtype_name, word, algo, extra)) + f" on {g.name}"
     if kind == "tuned":  # several algorithms qualify: local rank 0 picks at run time (tuning.py)
-        _tuned_allreduce_(g, out, op, dtype_name, code, word, route.candidates, what,
-                          sum(a.nbytes for a in parts), shape)
+        _tuned_call(g, sum(a.nbytes for a in parts), op, dtype_name, code, word, route.candidates)(out, shape)
         return
     if kind == "flags" or kind == "piped":  # the agreement header rides on the (first) flag
         g.seq += 1
@@ -570,26 +569,18 @@ def _execute(g: Group, route: plan.Route, src, out, op: str, dtype_name: str, sh
         algorithms.ring_(g.ring_comm, out, op, dtype_name, dog, what, describe=lambda r: g.describe_ranks([r]))
 
 
-def _tuned_allreduce_(g: Group, out, op: str, dtype_name: str, code: int, word: int, candidates: Tuple[str, ...],
-                      what, nbytes: int, shape=None) -> None:
-    """All-reduce ``out`` (an array, or a list of arrays of one dtype reduced as their
-    concatenation: ``nbytes`` in all, ``word`` the header's count word) in place with the
-    algorithm the group's local rank 0 (across nodes: its rank 0) picks among ``candidates``
-    (``tuning.Tuner``), through the group's cached ``_TunedCall`` or ``_TunedAcrossNodes``
-    (``what``, the executor's description of the call, is theirs too); ``shape``: the
-    caller's, named if the check fails."""
-    key = ("tuned", nbytes, op, dtype_name, word, candidates)
-    call = g.routes.get(key) or _tuned_call(g, nbytes, op, dtype_name, code, word, candidates)
-    call(out, shape)
-
-
 def _tuned_call(g: Group, nbytes: int, op: str, dtype_name: str, code: int, word: int,
                 candidates: Tuple[str, ...]) -> "_BoundTuned":
-    if g.topology.single_node:
-        call: _BoundTuned = _TunedCall(g, nbytes, op, dtype_name, code, word, candidates)
-    else:
-        call = _TunedAcrossNodes(g, nbytes, op, dtype_name, code, word, candidates)
-    _cache(g, ("tuned", nbytes, op, dtype_name, word, candidates), call)
+    """The group's cached call that all-reduces ``nbytes`` (an array, or a list of arrays of
+    one dtype reduced as their concatenation; ``word`` the header's count word) in place with
+    the algorithm its local rank 0 (across nodes: its rank 0) picks among ``candidates``
+    (``tuning.Tuner``): ``call(out, shape)``, ``shape`` the caller's, named if the check fails."""
+    key = ("tuned", nbytes, op, dtype_name, word, candidates)
+    call = g.routes.get(key)
+    if call is None:
+        kind = _TunedCall if g.topology.single_node else _TunedAcrossNodes
+        call = kind(g, nbytes, op, dtype_name, code, word, candidates)
+        _cache(g, key, call)
     return call
 
 

@@ -12,11 +12,11 @@ doubling (``plan.check_schedule``): a part is the header, a state [mismatch flag
 decision, the part's data bytes] and, for a small all-reduce (``InbandCall``), its data,
 reduced as the parts merge. Every checked call sends its part the same way whatever it is
 (one message, or two for 60-120 KiB: ``CHECK_PIECE_BYTES``; the first says what follows), so
-ranks in different collectives never wait on a message that is not sent; after the last step every rank knows the verdict
-(and rank 0's decision: auto's run-time pick across nodes) in the same call, and only then,
-on a mismatch, the headers are gathered for the error. One message per step crosses the
-network, as in MPI's own small all-reduce: a checked small all-reduce costs about what the
-unchecked one does.
+ranks in different collectives never wait on a message that is not sent; after the last step
+every rank knows the verdict (and rank 0's decision: auto's run-time pick across nodes) in
+the same call, and only then, on a mismatch, the headers are gathered for the error. One
+message per step crosses the network, as in MPI's own small all-reduce: a checked small
+all-reduce costs about what the unchecked one does.
 
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
 watchdog still catches stalls then, but cannot name the missing ranks as precisely.

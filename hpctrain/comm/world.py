@@ -97,7 +97,7 @@ class Group:
         self.check_schedule = check_schedule(self.rank, self.size) if self.size > 1 else None
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
-        # auto's run-time choice (collectives._tuned_allreduce_). On one node: on when every rank
+        # auto's run-time choice (collectives._tuned_call). On one node: on when every rank
         # has it on (HPCTRAIN_AUTOTUNE), so that all take the same path; the tuner lives on
         # local rank 0, which sends its pick through this one-element array. Across nodes:
         # rank 0's setting (agreed above); the tuner lives on group rank 0, whose pick rides on
