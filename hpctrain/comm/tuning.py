@@ -37,14 +37,24 @@ from .. import settings
 # TRIAL_CALLS calls in a row.
 EXPLORE_EVERY = 32
 EXPLORE_MAX = 512
-# Single calls of 1 MiB vary by ±20% here: a trial's estimate is the mean of its calls but the first.
+# Single calls of 1 MiB vary by ±20% here: a trial's estimate is the mean of its calls after
+# the first WARM_CALLS.
 TRIAL_CALLS = 5
+# Calls after a switch of algorithm that are run but not believed: they pay for the switch.
+# Measured with 2 ranks at 2 MiB after ~100 calls of the piped path: MPI_Allreduce's first
+# call took 1.4-3.5x its steady time, its second 5-50% more, its third none; the piped path
+# after MPI_Allreduce 10-30% more on its first, ~5% on its second. Believing the second call
+# cut (CUT_RATIO) every trial of MPI_Allreduce where it was ~10% faster, and auto ran the
+# piped path at 0.86-0.90x MPI_Allreduce's speed.
+WARM_CALLS = 2
 # Calls until every candidate of a three-way choice has had its first trial.
 LEARNING_CALLS = 3 * TRIAL_CALLS + 1
-# A trial whose first call takes more than this × the best's estimate ends at once.
-ABANDON_RATIO = 2.0
-# A trial whose first believed call (its second) takes more than this × the best's estimate
-# ends there: a candidate clearly slower than the best (the piped path at 4 MiB, 2 ranks) would
+# A trial whose call within WARM_CALLS takes more than this x the best's estimate ends at
+# once: more than a switch costs (up to 3.5x, above), so the candidate is slower (the
+# piped path in the slow state, ~4x MPI_Allreduce at 16 MiB, plus its switch).
+ABANDON_RATIO = 4.0
+# A trial whose first believed call (after WARM_CALLS) takes more than this × the best's
+# estimate ends there: a candidate clearly slower than the best (the piped path at 4 MiB, 2 ranks) would
 # otherwise cost auto a few percent through its full trials. A candidate cut by one noisy call
 # (single calls vary ±20%) is tried again after the usual interval.
 CUT_RATIO = 1.25
@@ -88,7 +98,7 @@ class SizeClass:
     trial: str = ""  # candidate on trial (or whose trial just ended)
     trial_left: int = 0  # calls of that trial still to run
     previous: str = ""  # candidate the call before ran
-    switched: bool = True  # this call runs another candidate than the one before
+    warming: int = 0  # calls still to report since the last switch of algorithm, not believed
     challenger: str = ""  # tried next, at once: the running best's average rose above its estimate
 
     def __post_init__(self) -> None:
@@ -99,17 +109,18 @@ class SizeClass:
 class Tuner:
     """Picks one of several candidate algorithms per key and learns from reported timings.
 
-    The first call after a switch of algorithm is run but not believed: it pays for the
-    switch (MPI's buffers or the flag slots gone cold in the meantime), which would otherwise
-    make every challenger look worse than the incumbent.
+    The first WARM_CALLS calls after a switch of algorithm are run but not believed: they pay
+    for the switch (MPI's buffers or the flag slots gone cold in the meantime), which would
+    otherwise make every challenger look worse than the incumbent.
     """
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, explore_max: int = EXPLORE_MAX,
                  trial_calls: int = TRIAL_CALLS, weight: float = WEIGHT) -> None:
         if not 1 <= explore_every <= explore_max:
             raise ValueError(f"need 1 ≤ explore_every ≤ explore_max, got {explore_every}, {explore_max}")
-        if trial_calls < 2:
-            raise ValueError(f"a trial needs ≥ 2 calls (its first is not believed), got {trial_calls}")
+        if trial_calls <= WARM_CALLS:
+            raise ValueError(f"a trial needs > {WARM_CALLS} calls (its first {WARM_CALLS} are not believed), "
+                             f"got {trial_calls}")
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         self.explore_every = explore_every
@@ -164,7 +175,7 @@ class Tuner:
         """The candidate for the next calls of class ``key``, and for how many calls (1 to
         ``max_calls``) it stands whatever their timings: the rest of the best's interval
         before the next trial (trials and first tries run call by call, so that a bad one
-        can end after its first call). The caller reports every call with ``record``. Lets
+        can end early). The caller reports every call with ``record``. Lets
         the caller send its choice to the other ranks once per run instead of every call.
         ``runnable``: the candidates the caller runs in runs (None: all); another is chosen
         call by call, and its calls count down the interval one by one."""
@@ -183,8 +194,8 @@ class Tuner:
         sc = self.classes[key]
         arm = sc.arms[name]
         arm.chosen += 1
-        if sc.switched:
-            sc.switched = False  # only the first call after a switch (a run reports several)
+        if sc.warming:
+            sc.warming -= 1  # counted per call reported (a run reports several)
             if sc.trial_left and sc.best and seconds > ABANDON_RATIO * sc.arms[sc.best].estimate:
                 # more than a switch can cost: end the trial here, with this as its estimate
                 sc.trial_left = 0
@@ -266,7 +277,8 @@ class Tuner:
 
     @staticmethod
     def _ran(sc: SizeClass, name: str) -> str:
-        sc.switched = name != sc.previous
+        if name != sc.previous:
+            sc.warming = WARM_CALLS
         sc.previous = name
         return name
 
