@@ -1,16 +1,20 @@
 """What hpctrain's all-reduce costs around the MPI call it runs: one call at a time, in turn.
 
-For each size, every round runs one call of each competitor on the same buffer, in an order
-that rotates per round, each call after a barrier and timed alone (rank 0's clock): the
-host's drift between calls (up to 2x within a minute on a small VM) then falls on all of
-them alike, where `hpctrain bench allreduce` times each competitor's calls in a block.
+For each size, every round runs a short block of calls of each competitor on the same
+buffer (--block, default 8), in an order that rotates per round, each call after a barrier
+and timed alone (rank 0's clock): the host's drift (up to 2x within a minute on a small VM)
+then falls on all of them alike, where `hpctrain bench allreduce` times each competitor's
+calls in one long block. The first call of each block is not counted: it pays for the switch
+from the previous competitor's algorithm (the piped path's first call after MPI_Allreduce
+took 10-30% more; MPI_Allreduce's after the piped path up to 3.5x), and with one call per
+round a cyclic rotation put every competitor after the same one every time.
 Competitors: the MPI library's MPI_Allreduce in place (`mpi`), hpctrain's `auto` with the
 agreement check on and off, and `native` (MPI_Allreduce forced through the general path)
 with the check on. Before the rounds, `auto` runs enough calls to finish its run-time
 tuner's first trials. Prints the median, the 10th percentile and the ratio of medians
 (MPI / competitor: above 1, faster than MPI), and how often the tuner picked each candidate.
 
-  hpctrain launch -n 2 -- python benchmarks/call_overhead.py --sizes 4MiB,8MiB --rounds 500
+  hpctrain launch -n 2 -- python benchmarks/call_overhead.py --sizes 4MiB,8MiB --rounds 60
 """
 from __future__ import annotations
 
@@ -39,23 +43,29 @@ def competitors(x: np.ndarray, mpi_comm) -> dict:
     }
 
 
-def rounds(runs: dict, count: int, barrier) -> dict:
+def rounds(runs: dict, count: int, block: int, barrier) -> dict:
+    """Per competitor, the times of its calls but the first of each block."""
     names = list(runs)
     times = {name: [] for name in names}
     for i in range(count):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            barrier()
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
+            for j in range(block):
+                barrier()
+                start = time.perf_counter()
+                runs[name]()
+                if j:
+                    times[name].append(time.perf_counter() - start)
     return times
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1MiB,4MiB,8MiB", help="message sizes (float32)")
-    p.add_argument("--rounds", type=int, default=300, help="calls of each competitor per size")
+    p.add_argument("--rounds", type=int, default=60, help="blocks of each competitor per size")
+    p.add_argument("--block", type=int, default=8, help="calls per block, the first not counted (at least 2)")
     args = p.parse_args()
+    if args.block < 2 or args.rounds < 1:
+        p.error("--block must be at least 2 and --rounds at least 1")
     comm.init()
     mpi_comm = comm.world().comm
     checks = comm.checks_enabled()
@@ -67,7 +77,7 @@ def main() -> None:
         for run in runs.values():
             run()
         before = comm.tuned_counts(nbytes)
-        times = rounds(runs, args.rounds, mpi_comm.Barrier)
+        times = rounds(runs, args.rounds, args.block, mpi_comm.Barrier)
         comm.set_checks(checks)
         if comm.rank() == 0:
             picks = {name: ran - before.get(name, 0) for name, ran in comm.tuned_counts(nbytes).items()}
