@@ -54,9 +54,9 @@ LEARNING_CALLS = 3 * TRIAL_CALLS + 1
 # piped path in the slow state, ~4x MPI_Allreduce at 16 MiB, plus its switch).
 ABANDON_RATIO = 4.0
 # A trial whose first believed call (after WARM_CALLS) takes more than this × the best's
-# estimate ends there: a candidate clearly slower than the best (the piped path at 4 MiB, 2 ranks) would
-# otherwise cost auto a few percent through its full trials. A candidate cut by one noisy call
-# (single calls vary ±20%) is tried again after the usual interval.
+# estimate ends there: a candidate clearly slower than the best (the piped path at 4 MiB, 2
+# ranks) would otherwise cost auto a few percent through its full trials. A candidate cut by
+# one noisy call (single calls vary ±20%) is tried again after the usual interval.
 CUT_RATIO = 1.25
 # The running best gives way only to a candidate estimated this much faster: two candidates
 # within the noise of each other (1 MiB, 2 ranks: the piped path and MPI_Allreduce) otherwise
