@@ -70,6 +70,9 @@ def test_table_and_targets():
     assert "hpctrain / Horovod step (2 rank(s)) 0.611 (CPU per step: 0.500)  target <= 0.55: NOT met" in text
     assert "hpctrain scaling efficiency (2 vs 1 rank(s)) 90.9%  target >= 90%: met" in text
     assert "hpctrain 1-rank overhead (1 rank(s)) +2.0%  target <= 3%: met" in text
+    # added over plain at 2 ranks: hpctrain 6 ms, DDP 96 ms, Horovod 76 ms
+    assert "hpctrain / DDP-Gloo added time (2 rank(s)) +6.0 ms / +96.0 ms = 0.063  target <= 0.15: met" in text
+    assert "hpctrain / Horovod added time (2 rank(s)) +6.0 ms / +76.0 ms = 0.079  target <= 0.15: met" in text
     buf = StringIO()
     print_table(rows, 2, {"malloc": "x"}, out=buf)
     table = buf.getvalue()
@@ -82,3 +85,14 @@ def test_targets_skip_missing_rows_and_single_rank_runs():
     rows = [_row("cnn", "plain", 1, 0.1), _row("cnn", "hpctrain", 1, 0.2)]
     lines = target_lines(rows, 1)
     assert len(lines) == 1 and "1-rank overhead" in lines[0] and "NOT met" in lines[0]
+
+
+def test_added_time_ratio_fails_when_hpctrain_adds_too_much_and_says_when_the_peer_added_nothing():
+    rows = [_row("mlp", "plain", 2, 0.100), _row("mlp", "hpctrain", 2, 0.120),
+            _row("mlp", "ddp-gloo", 2, 0.200), _row("mlp", "horovod", 2, 0.095)]
+    text = "\n".join(target_lines(rows, 2))
+    assert "hpctrain / DDP-Gloo added time (2 rank(s)) +20.0 ms / +100.0 ms = 0.200  target <= 0.15: NOT met" in text
+    assert "hpctrain / Horovod added time (2 rank(s)) +20.0 ms / -5.0 ms: the peer added nothing, no ratio" in text
+    # without the plain row at 2 ranks there is nothing to subtract: no added-time line
+    text = "\n".join(target_lines([r for r in rows if r["competitor"] != "plain"], 2))
+    assert "added time" not in text and "DDP-Gloo step" in text
