@@ -205,10 +205,11 @@ DECLARED: Tuple[Setting, ...] = (
     _flag("check_collectives", True, "per-collective agreement check (shape, dtype, op, order); 0 for speed"),
     _size("check_inband_bytes", 256 * KiB, 0, "where the agreement check runs over MPI (across nodes), an "
           "`auto` all-reduce up to this size sends its data with its check header and the ranks reduce it as "
-          "they swap headers: one message per step of recursive doubling (two for 60-120 KiB, below TCP's "
+          "they swap headers: one message per step of the check's schedule (two for 60-120 KiB, below TCP's "
           "eager limit), no `MPI_Allreduce` and no run-time "
-          "choice (capped so that a rank swaps at most 512 KiB of data per check: message x steps, 256 KiB at 4 "
-          "ranks, 128 KiB at 16); rank 0's value holds for the group; 0: never"),
+          "choice (capped so that a rank receives at most 512 KiB of data per check: message x the parts it "
+          "takes, its steps and its node's tree levels; 256 KiB at 4 ranks, 128 KiB at 16); rank 0's value holds "
+          "for the group; 0: never"),
     Setting("allreduce", "choice", "auto", "force an all-reduce algorithm: ring, native, shm, hierarchical",
             choices=("auto", "ring", "native", "shm", "hierarchical")),
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "

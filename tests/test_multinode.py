@@ -112,6 +112,20 @@ def test_comm_across_nodes(multinode_cluster, layout):
     assert proc.returncode == 0, f"mpi_checks.py at {layout} ({spec}) failed, rc={proc.returncode}:\n{proc.stdout[-12000:]}"
 
 
+@pytest.mark.parametrize("spec,missing", [("node1:2,node2:2", 1), ("node1:3,node2:2", 2)])
+def test_a_stall_in_the_check_across_nodes_names_the_missing_rank(multinode_cluster, spec, missing):
+    """A node's ranks fold into its leader before the leaders swap across nodes: with one
+    rank of node1 absent (rank 1: a leaf of rank 0; rank 2 at 3 + 2: rank 0's other child),
+    the first stall report names it, not a rank that waits for it, and the job ends."""
+    proc = run_mpi_on_cluster(spec, python_argv(str(ROOT_DIR / "tests" / "mpi_scripts" / "stall.py"), "4", "auto",
+                                                "after-one", str(missing)),
+                              timeout=90, env={"HPCTRAIN_STALL_TIMEOUT": "3"})
+    assert proc.returncode not in (0, -9), proc.stdout[-6000:]
+    reports = [line for line in proc.stdout.splitlines() if "Not arrived:" in line]
+    assert reports and f"Not arrived: ranks {missing}." in reports[0], proc.stdout[-6000:]
+    assert "(agreement check)" in proc.stdout and "unreachable" not in proc.stdout
+
+
 def test_bench_allreduce_reports_two_nodes(multinode_cluster, tmp_path):
     """`hpctrain bench allreduce` at 2 × 2: runs, names the layout, compares ring,
     hierarchical and native side by side (tiny sizes: a smoke test, not a measurement)."""

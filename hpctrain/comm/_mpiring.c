@@ -289,9 +289,12 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
 /* The agreement check over MPI, with a small all-reduce's data on it (hpctrain.comm.guard):
  * the same messages as the check in Python, so that ranks running either interoperate.
  *
- * Recursive doubling over the largest power of two of ranks (`core`); each further rank
- * (`extra`, rank >= core) first sends its part to rank - core and gets the result back from
- * it at the end. A part is this rank's header (its first int64 the sequence number), the state
+ * The schedule (hpctrain.comm.plan.check_schedule, passed encoded: int32 [home, number of
+ * extras, extras..., number of partners, partners...]): recursive doubling among the core
+ * ranks; every other rank sends its part to its home and gets the result back from it at the
+ * end. A rank first takes its extras' parts (across nodes a node leader its node's other
+ * ranks, so that only leaders' messages cross the network), then swaps its part for the
+ * result with its home or runs its steps, and last sends the result to its extras. A part is this rank's header (its first int64 the sequence number), the state
  * [mismatch flag, rank 0's decision, the part's data bytes] (three int64) and the data. A
  * part of more than `piece` bytes but at most twice that travels as two messages, its first
  * `piece` bytes (header and state included) and the rest: over TCP a message above the 64 KiB
@@ -301,17 +304,18 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  * parts took as long or longer: a rendezvous per message was not the only cost). The
  * receiver learns from the first message whether a second follows (the sender's data
  * bytes), so ranks in calls of different sizes still exchange whole parts and find the
- * mismatch. At each step a core rank swaps
- * its part with rank ^ 2^k and merges: the flag is set when either flag is or the headers
- * differ; the decision is the lower rank's (so rank 0's in the end); while nothing differs the
- * data is reduced, the lower rank's part as the left operand, so both partners compute the same
- * bits. After the last step every rank has merged every rank's part: every rank learns the same
- * verdict in the same call, with one message per step crossing the network (the check through a
- * coordinating rank costs two one-way trips). Every checked call sends the same messages
+ * mismatch. A rank merges each part it receives (from an extra, or from its partner at a
+ * step): the flag is set when either flag is or the headers differ; the decision is the lower
+ * rank's (so rank 0's in the end; an extra's never); while nothing differs the data is
+ * reduced, the lower rank's part as the left operand, so both partners of a step compute the
+ * same bits, which the homes then hand down. After the last step every core rank has merged
+ * every rank's part: every rank learns the same verdict in the same call, with one message per
+ * step per node crossing the network (the check through a coordinating rank costs two one-way
+ * trips). Every checked call sends the same messages
  * whatever its kind or size (a receive takes up to a whole row), so ranks in different calls
  * never wait on a message that is not sent: they find the mismatch.
  *
- * check(comm, byte, rank, size, mine, theirs, dtype, op, divisor, tag, piece, where, clock, header,
+ * check(comm, byte, rank, schedule, mine, theirs, dtype, op, divisor, tag, piece, where, clock, header,
  *       data, seq, decision) -> 0 agreed (data holds the result, mine's state word 1 rank 0's
  *       decision), -1 the headers differ (every rank of the call returns -1; the caller
  *       gathers the headers), or an MPI error code. The arguments that may change from call to
@@ -321,7 +325,7 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
  *   size of a split part's first message (the same on every rank; at least header + state).
  *   data: this rank's data,
  *   reduced in place (0 bytes: a plain check). where: two int32, [the rank waited for, the
- *   stage: 0 an extra's part, k + 1 step k, steps + 1 the result of an extra], read by the
+ *   stage: 0 an extra's part, k + 1 step k, steps + 1 the result from home], read by the
  *   stall watchdog's thread.
  *   clock: a double that holds the monotonic time (Python's time.monotonic) the call began
  *   while it waits, 0.0 otherwise (watchdog.ClockedWait), so the call needs no Python around
@@ -330,7 +334,8 @@ static PyObject *allreduce(PyObject *Py_UNUSED(module), PyObject *args) {
 
 typedef struct {
     uintptr_t comm, byte;
-    int rank, size, dtype, op, tag;
+    const int32_t *schedule;  /* [home, n extras, extras..., n partners, partners...] */
+    int rank, dtype, op, tag;
     long divisor;
     char *mine, *theirs, *data;
     Py_ssize_t head, n, row, piece;  /* header bytes, data bytes, row bytes (largest part), first message's largest */
@@ -387,45 +392,65 @@ static int merge(const Check *c, int lower, char *out) {
 }
 
 static int run_check(const Check *c, Req *q) {
-    int core = 1, steps = 0;
-    while (core <= c->size / 2) core *= 2, steps++;
+    const int32_t *s = c->schedule, *extras = s + 2, *partners = s + 3 + s[1];
+    int home = s[0], n_extras = s[1], steps = s[2 + n_extras];
     int64_t *state = (int64_t *)(c->mine + c->head);
     char *data = c->mine + c->head + STATE;
-    if (c->rank >= core) {
-        CHECK(swap(c, c->rank - core, 1, 1, steps + 1, q));
-        memcpy(state, c->theirs + c->head, STATE);
-        if (state[0]) return -1;
-        memcpy(c->data, c->theirs + c->head + STATE, (size_t)c->n);
-        return 0;
-    }
-    int extra = c->rank + core, in_place = 0;  /* in_place: the last merge wrote the caller's data */
-    if (extra < c->size) {
-        CHECK(swap(c, extra, 0, 1, 0, q));
+    for (int i = 0; i < n_extras; i++) {
+        CHECK(swap(c, extras[i], 0, 1, 0, q));
         merge(c, 0, data);
     }
-    for (int k = 0; k < steps; k++) {
-        int partner = c->rank ^ (1 << k), last = k == steps - 1 && extra >= c->size;
-        CHECK(swap(c, partner, 1, 1, k + 1, q));
-        in_place = merge(c, partner < c->rank, last ? c->data : data) && last;
+    if (home >= 0) {
+        CHECK(swap(c, home, 1, 1, steps + 1, q));
+        /* the verdict and decision; the data-bytes word stays this rank's (how its part travels) */
+        memcpy(state, c->theirs + c->head, 2 * sizeof(int64_t));
+        if (!state[0]) {
+            memcpy(c->data, c->theirs + c->head + STATE, (size_t)c->n);
+            if (n_extras) memcpy(data, c->data, (size_t)c->n);
+        }
+    } else {
+        int in_place = 0;  /* the last merge wrote the caller's data */
+        for (int k = 0; k < steps; k++) {
+            int partner = partners[k], last = k == steps - 1 && !n_extras;
+            CHECK(swap(c, partner, 1, 1, k + 1, q));
+            in_place = merge(c, partner < c->rank, last ? c->data : data) && last;
+        }
+        if (!state[0]) {
+            if (!in_place) memcpy(c->data, data, (size_t)c->n);
+            if (c->divisor > 1 && c->n) divide(c->data, c->n / itemsize_of(c->dtype), c->dtype, c->divisor);
+            if (n_extras) memcpy(data, c->data, (size_t)c->n);
+        }
     }
-    if (!state[0]) {
-        if (!in_place) memcpy(c->data, data, (size_t)c->n);
-        if (c->divisor > 1 && c->n) divide(c->data, c->n / itemsize_of(c->dtype), c->dtype, c->divisor);
-        if (extra < c->size) memcpy(data, c->data, (size_t)c->n);
-    }
-    if (extra < c->size) CHECK(swap(c, extra, 1, 0, steps + 1, q));  /* the verdict, whatever it is */
+    for (int i = 0; i < n_extras; i++)  /* the verdict, whatever it is */
+        CHECK(swap(c, extras[i], 1, 0, steps + 1, q));
     return state[0] ? -1 : 0;
+}
+
+/* Whether `s` (`len` bytes) is a schedule of `size` ranks for `rank`: int32-aligned words
+ * [home, n, n extras, m, m partners], every rank named in range and not `rank`. */
+static int valid_schedule(const int32_t *s, Py_ssize_t len, int rank, int size) {
+    Py_ssize_t words = len / (Py_ssize_t)sizeof(int32_t);
+    if (len % (Py_ssize_t)sizeof(int32_t) || (uintptr_t)s % sizeof(int32_t) || words < 3) return 0;
+    if (s[1] < 0 || 3 + (Py_ssize_t)s[1] > words) return 0;
+    Py_ssize_t m = s[2 + s[1]];
+    if (m < 0 || 3 + s[1] + m != words || (s[0] >= 0 && m)) return 0;
+    if (s[0] >= size || s[0] == rank || s[0] < -1) return 0;
+    for (Py_ssize_t i = 0; i < s[1]; i++)
+        if (s[2 + i] < 0 || s[2 + i] >= size || s[2 + i] == rank) return 0;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (s[3 + s[1] + i] < 0 || s[3 + s[1] + i] >= size || s[3 + s[1] + i] == rank) return 0;
+    return 1;
 }
 
 static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
     unsigned long long comm, byte;
-    int rank, size, dtype, op, tag;
+    int rank, dtype, op, tag;
     long divisor;
     long long seq, decision;
     Py_ssize_t piece;
-    Py_buffer mine, theirs, head, where, clock, data;
-    if (!PyArg_ParseTuple(args, "KKiiw*w*iilinw*w*y*w*LL", &comm, &byte, &rank, &size, &mine, &theirs, &dtype, &op,
-                          &divisor, &tag, &piece, &where, &clock, &head, &data, &seq, &decision))
+    Py_buffer schedule, mine, theirs, head, where, clock, data;
+    if (!PyArg_ParseTuple(args, "KKiy*w*w*iilinw*w*y*w*LL", &comm, &byte, &rank, &schedule, &mine, &theirs, &dtype,
+                          &op, &divisor, &tag, &piece, &where, &clock, &head, &data, &seq, &decision))
         return NULL;
     Py_ssize_t header = head.len;
     PyObject *result = NULL;
@@ -435,8 +460,9 @@ static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
     } else if (!item || op < OP_SUM || op > OP_PROD || data.len % item) {
         PyErr_Format(PyExc_ValueError, "_mpiring.check: unsupported dtype %d / op %d for %zd bytes", dtype, op,
                      data.len);
-    } else if (size < 2 || rank < 0 || rank >= size) {
-        PyErr_Format(PyExc_ValueError, "_mpiring.check: rank %d of %d", rank, size);
+    } else if (rank < 0 || !valid_schedule(schedule.buf, schedule.len, rank, 1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "_mpiring.check: rank %d with a schedule of %zd bytes that is not "
+                     "plan.CheckSchedule.encoded()", rank, schedule.len);
     } else if (where.len < 2 * (Py_ssize_t)sizeof(int32_t) || (uintptr_t)where.buf % sizeof(int32_t)) {
         PyErr_SetString(PyExc_ValueError, "_mpiring.check: where must be two aligned, writable int32");
     } else if (clock.len < (Py_ssize_t)sizeof(double) || (uintptr_t)clock.buf % sizeof(double)) {
@@ -450,7 +476,7 @@ static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
                      "header (a multiple of 8), %d bytes of state and %zd bytes of data", mine.len, theirs.len,
                      header, STATE, data.len);
     } else {
-        Check c = {(uintptr_t)comm, (uintptr_t)byte, rank, size, dtype, op, tag, op == OP_AVG ? divisor : 0,
+        Check c = {(uintptr_t)comm, (uintptr_t)byte, schedule.buf, rank, dtype, op, tag, op == OP_AVG ? divisor : 0,
                    mine.buf, theirs.buf, data.buf, header, data.len, mine.len, piece, (volatile int32_t *)where.buf};
         int64_t word = (int64_t)seq, *state = (int64_t *)(c.mine + header);
         memcpy(c.mine, head.buf, (size_t)header);
@@ -472,6 +498,7 @@ static PyObject *check(PyObject *Py_UNUSED(module), PyObject *args) {
         *began = 0.0;
         result = PyLong_FromLong(err);
     }
+    PyBuffer_Release(&schedule);
     PyBuffer_Release(&mine);
     PyBuffer_Release(&theirs);
     PyBuffer_Release(&head);
@@ -501,8 +528,8 @@ static PyMethodDef module_methods[] = {
     {"allreduce", allreduce, METH_VARARGS,
      "allreduce(comm, byte, rank, size, buffer, scratch, dtype_code, op_code, divisor, segment_bytes) -> MPI error code"},
     {"check", check, METH_VARARGS,
-     "check(comm, byte, rank, size, mine, theirs, dtype_code, op_code, divisor, tag, where, clock, header, data, seq, "
-     "decision) -> 0 agreed, -1 headers differ, or an MPI error code"},
+     "check(comm, byte, rank, schedule, mine, theirs, dtype_code, op_code, divisor, tag, piece, where, clock, header, "
+     "data, seq, decision) -> 0 agreed, -1 headers differ, or an MPI error code"},
     {NULL, NULL, 0, NULL},
 };
 

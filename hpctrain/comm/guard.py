@@ -7,16 +7,19 @@ called (with every rank's shape when the shapes differ: gathered only then, so a
 agrees costs no more bytes). On one node with shared-memory flags the check is one flag
 exchange (``shmsync.NodeFlags.agree``).
 
-Over MPI (across nodes, or without the flags) the ranks swap their parts by recursive
-doubling (``plan.check_schedule``): a part is the header, a state [mismatch flag, rank 0's
-decision, the part's data bytes] and, for a small all-reduce (``InbandCall``), its data,
-reduced as the parts merge. Every checked call sends its part the same way whatever it is
-(one message, or two for 60-120 KiB: ``CHECK_PIECE_BYTES``; the first says what follows), so
-ranks in different collectives never wait on a message that is not sent; after the last step
-every rank knows the verdict (and rank 0's decision: auto's run-time pick across nodes) in
-the same call, and only then, on a mismatch, the headers are gathered for the error. One
-message per step crosses the network, as in MPI's own small all-reduce: a checked small
-all-reduce costs about what the unchecked one does.
+Over MPI (across nodes, or without the flags) the ranks swap their parts along
+``plan.check_schedule``: across nodes each node's ranks fold into its leader (a binomial tree
+on the node), the leaders swap by recursive doubling, and the result goes back down the
+trees; on one node every rank takes part in the recursive doubling. A part is the header, a
+state [mismatch flag, rank 0's decision, the part's data bytes] and, for a small all-reduce
+(``InbandCall``), its data, reduced as the parts merge. Every checked call sends its part the
+same way whatever it is (one message, or two for 60-120 KiB: ``CHECK_PIECE_BYTES``; the first
+says what follows), so ranks in different collectives never wait on a message that is not
+sent; after the last step every rank knows the verdict (and rank 0's decision: auto's
+run-time pick across nodes) in the same call, and only then, on a mismatch, the headers are
+gathered for the error. One message per step per node crosses the network, as in a
+hierarchical MPI all-reduce: a checked small all-reduce costs about what the unchecked one
+does.
 
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
 watchdog still catches stalls then, but cannot name the missing ranks as precisely.
@@ -32,7 +35,7 @@ import numpy as np
 from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError
-from .plan import ALGORITHMS
+from .plan import ALGORITHMS, check_transfers
 from .watchdog import raise_translated
 
 _TAG_CHECK = 101
@@ -47,9 +50,10 @@ _PART_BYTES = HEADER_BYTES + _STATE_BYTES
 # a message waits for a rendezvous round trip before its bulk leaves (a 64 KiB in-band
 # all-reduce across 2 x 2 nodes took 1-15% less time in two messages). The same on every rank.
 CHECK_PIECE_BYTES = 60 << 10
-# The most in-band bytes one rank swaps in one check (data x steps): recursive doubling sends
-# the whole message at every step, where the ring sends twice the message in all, so with
-# more ranks the data that rides on the check shrinks (256 KiB at 4 ranks, 128 KiB at 16).
+# The most in-band bytes one rank receives in one check (data x the parts it takes:
+# plan.check_transfers): every step and every level of a node's tree moves the whole message,
+# where the ring sends twice the message in all, so with more ranks the data that rides on
+# the check shrinks (256 KiB at 4 ranks, 128 KiB at 16 on one node or 2 x 8).
 INBAND_SWAP_BYTES = 512 * 1024
 
 
@@ -265,10 +269,11 @@ def _plain_call(group, io: "CheckIO", dog):
         mpiring = _mpiring()
         io.plain = False
         if mpiring.available():
-            io.wait = dog.clocked(lambda: io.what() + _CHECKING, _waited_for(group, io.where), _stage_grace(io.where))
-            io.plain = mpiring.check_call(group.ctl_comm, group.rank, group.size, io.mine, io.theirs,
-                                          mpiring.kernel_dtype_code("float32"), "sum", _TAG_CHECK, io.where,
-                                          io.wait.clock)
+            io.wait = dog.clocked(lambda: io.what() + _CHECKING, _waited_for(group, io.where),
+                                  _stage_grace(group.check_schedule, io.where))
+            io.plain = mpiring.check_call(group.ctl_comm, group.rank, group.size, group.check_schedule, io.mine,
+                                          io.theirs, mpiring.kernel_dtype_code("float32"), "sum", _TAG_CHECK,
+                                          io.where, io.wait.clock)
     return io.plain or None
 
 
@@ -288,15 +293,15 @@ _UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
 _INBAND_KINDS = "fiuc"
 
 
-def inband_limit(setting: int, size: int) -> int:
+def inband_limit(setting: int, size: int, node_of: Optional[Sequence[int]] = None) -> int:
     """The largest all-reduce (bytes) whose data rides on the agreement check over MPI for a
-    group of ``size`` ranks: ``setting`` (HPCTRAIN_CHECK_INBAND_BYTES), bounded so that a rank
-    swaps at most INBAND_SWAP_BYTES of data in one check, in whole 8-byte words (the parts'
-    int64 words stay aligned); 0 for one rank."""
+    group of ``size`` ranks (on nodes ``node_of``: ``plan.check_schedule``): ``setting``
+    (HPCTRAIN_CHECK_INBAND_BYTES), bounded so that no rank receives more than
+    INBAND_SWAP_BYTES of data in one check, in whole 8-byte words (the parts' int64 words stay
+    aligned); 0 for one rank."""
     if size < 2:
         return 0
-    steps = (size - 1).bit_length()  # the core's steps, and one more where extra ranks fold in
-    return min(setting, INBAND_SWAP_BYTES // steps) // 8 * 8
+    return min(setting, INBAND_SWAP_BYTES // check_transfers(size, node_of)) // 8 * 8
 
 
 def inband_reducible(dtype_name: str, dtype: np.dtype, op: str) -> bool:
@@ -368,9 +373,10 @@ class InbandCall:
             return
         io = self.io = _io(group)
         io.busy = False
-        self.wait = dog.clocked(lambda: self.what() + _CHECKING, _waited_for(group, io.where), _stage_grace(io.where))
-        call = _mpiring().check_call(group.ctl_comm, group.rank, group.size, io.mine, io.theirs, code, op, _TAG_CHECK,
-                                     io.where, self.wait.clock)
+        self.wait = dog.clocked(lambda: self.what() + _CHECKING, _waited_for(group, io.where),
+                                _stage_grace(group.check_schedule, io.where))
+        call = _mpiring().check_call(group.ctl_comm, group.rank, group.size, group.check_schedule, io.mine, io.theirs,
+                                     code, op, _TAG_CHECK, io.where, self.wait.clock)
         self.run = functools.partial(call, packed)
 
     def what(self) -> str:
@@ -423,31 +429,48 @@ def _mpiring():
 
 
 _CHECKING = " (agreement check)"
-# s per stage: a rank waiting in a later stage of the check lets the ranks waiting in earlier
-# ones, which name the rank that never came, report a stall first
+# s per level: a rank waiting in a later stage of the check (or for an extra that itself
+# gathers parts first) lets the ranks waiting in earlier ones, which name the rank that never
+# came, report a stall first
 _STAGE_GRACE = 2.0
 
 
-def _stage_grace(where: np.ndarray):
-    return lambda: _STAGE_GRACE * int(where[1])
+def _stage_grace(schedule, where: np.ndarray):
+    """The grace of a wait in the check (``where``: [rank, stage]): for an extra's part, the
+    levels that extra itself waits for; at a step or for the result, more than any such wait
+    (``CheckSchedule.levels``), plus the stage."""
+    heights = dict(zip(schedule.extras, schedule.extra_heights))
+
+    def grace() -> float:
+        stage = int(where[1])
+        if stage == 0:
+            return _STAGE_GRACE * heights.get(int(where[0]), 0)
+        return _STAGE_GRACE * (schedule.levels + stage)
+
+    return grace
 
 
 def _waited_for(group, where: np.ndarray):
     """The stall report's "not arrived" for a wait in the check (``where``: [rank, stage],
-    written as the wait begins; read from the watchdog's thread: a report only). A core rank
-    waiting for its extra's part or at the first step waits for a rank that never sent its
-    part; at a later step the partner may itself wait for another rank."""
+    written as the wait begins; read from the watchdog's thread: a report only). A rank
+    waiting for an extra that gathers no parts itself, or at the first step where no rank
+    gathers parts first, waits for a rank that never sent its part; otherwise the rank waited
+    for may itself wait for another rank."""
 
     def report() -> str:
         partner, stage = int(where[0]), int(where[1])
         who = group.describe_ranks([partner])
         schedule = group.check_schedule
+        maybe = "; it may itself wait for another rank, named in an earlier report)"
+        if stage == 0:
+            heights = dict(zip(schedule.extras, schedule.extra_heights))
+            return f"{who} (which gathers its own ranks' parts of the check first{maybe}" \
+                if heights.get(partner, 0) else who
         if schedule.home >= 0:
             return f"{who}, which gathers this rank's part of the check (see its report)"
-        if stage <= 1:
+        if stage == 1 and not schedule.levels:
             return who
-        return f"{who} (its part of step {stage} of {schedule.steps} of the check; it may itself wait for another " \
-               "rank, named in an earlier report)"
+        return f"{who} (its part of step {stage} of {schedule.steps} of the check{maybe}"
 
     return report
 
@@ -467,7 +490,8 @@ def _exchange(group, io: "CheckIO", header: np.ndarray, dog, shape, what, decisi
         data = io.mine[_PART_BYTES:_PART_BYTES + flat.size * wide.itemsize].view(wide)
         data[:] = flat
         words[HEADER_LEN + 2] = data.nbytes
-    with dog.watch(lambda: what() + _CHECKING, _waited_for(group, io.where), _stage_grace(io.where)):
+    with dog.watch(lambda: what() + _CHECKING, _waited_for(group, io.where),
+                   _stage_grace(group.check_schedule, io.where)):
         _swap_parts(group, io, data, op, lambda: finish_part(data, flat.dtype, op, group.size, dtype_name))
     if words[HEADER_LEN]:
         _mismatched(group, header, dog, shape, what)
@@ -478,28 +502,39 @@ def _exchange(group, io: "CheckIO", header: np.ndarray, dog, shape, what, decisi
 
 def _swap_parts(group, io: "CheckIO", data: Optional[np.ndarray], op: str, finish) -> None:
     """The messages of ``_exchange`` (``plan.check_schedule``); ``data``: this rank's in-band
-    data, a view into ``io.mine`` (None: a plain check). A core rank finishes agreed data
-    (``finish()``: ``finish_part``) after the last merge, before an extra rank gets it."""
+    data, a view into ``io.mine`` (None: a plain check). First the extras' parts come in and
+    merge; then a rank with a home swaps its part for the result, a core rank runs its steps
+    and finishes agreed data (``finish()``: ``finish_part``) after the last merge; last the
+    result goes to the extras, whatever the verdict."""
     schedule, comm, where = group.check_schedule, group.ctl_comm, io.where
     n = 0 if data is None else data.nbytes
+    for extra in schedule.extras:
+        where[0], where[1] = extra, 0
+        _swap(comm, io, n, extra, send=False)
+        _merge(io, False, data, op)
     if schedule.home >= 0:
         where[0], where[1] = schedule.home, schedule.steps + 1
         _swap(comm, io, n, schedule.home)
-        io.mine[HEADER_BYTES:_PART_BYTES + n] = io.theirs[HEADER_BYTES:_PART_BYTES + n]
-        return
-    if schedule.extra >= 0:
-        where[0], where[1] = schedule.extra, 0
-        _swap(comm, io, n, schedule.extra, send=False)
-        _merge(io, False, data, op)
-    for step, partner in enumerate(schedule.partners):
-        where[0], where[1] = partner, step + 1
-        _swap(comm, io, n, partner)
-        _merge(io, partner < group.rank, data, op)
-    if data is not None and not io.words[HEADER_LEN]:
-        finish()
-    if schedule.extra >= 0:
-        where[0], where[1] = schedule.extra, schedule.steps + 1
-        _swap(comm, io, n, schedule.extra, recv=False)
+        _take_result(io, n)
+    else:
+        for step, partner in enumerate(schedule.partners):
+            where[0], where[1] = partner, step + 1
+            _swap(comm, io, n, partner)
+            _merge(io, partner < group.rank, data, op)
+        if data is not None and not io.words[HEADER_LEN]:
+            finish()
+    for extra in schedule.extras:
+        where[0], where[1] = extra, schedule.steps + 1
+        _swap(comm, io, n, extra, recv=False)
+
+
+def _take_result(io: "CheckIO", n: int) -> None:
+    """The result from home (in ``io.theirs``) made this rank's part: its verdict and decision
+    and, when agreed, its data. The part's data-bytes word stays this rank's own: it says
+    how this rank's part travels to its extras (the C check keeps it the same way)."""
+    io.words[HEADER_LEN:HEADER_LEN + 2] = io.their_words[HEADER_LEN:HEADER_LEN + 2]
+    if not io.words[HEADER_LEN] and n:
+        io.mine[_PART_BYTES:_PART_BYTES + n] = io.theirs[_PART_BYTES:_PART_BYTES + n]
 
 
 def _pieces(part: int) -> List[Tuple[int, int]]:

@@ -121,19 +121,21 @@ def inband_code(dtype_name: str, op: str):
     return code if code is not None and op in OP_CODES and available() else None
 
 
-def check_call(comm, rank: int, size: int, mine: np.ndarray, theirs: np.ndarray, dtype_code: int, op: str, tag: int,
-               where: np.ndarray, clock) -> Callable[..., int]:
+def check_call(comm, rank: int, size: int, schedule, mine: np.ndarray, theirs: np.ndarray, dtype_code: int, op: str,
+               tag: int, where: np.ndarray, clock) -> Callable[..., int]:
     """The agreement check over MPI in C (``guard``), with the arguments that stay the same
     bound once: ``call(header, data, seq, decision)`` puts ``header`` (its sequence word set to
     ``seq``) and the state [0, ``decision``] at the head of ``mine``, reduces ``data``
     (C-contiguous, of ``dtype_code``; empty for a plain check) in place and returns 0 (agreed:
     rank 0's decision is in ``mine``'s state), -1 (the headers differ, on every rank) or an MPI
-    error code (raise it with ``_failed``). ``mine``, ``theirs``: the check's rows
+    error code (raise it with ``_failed``). ``schedule``: this rank's ``plan.CheckSchedule``
+    in the group of ``size`` ranks; ``mine``, ``theirs``: the check's rows
     (``guard.CheckIO``); ``where``: two int32 the call keeps the rank and stage it waits for
     in; ``clock``: the double it keeps its start time in while it waits (``ClockedWait``)."""
     from .guard import CHECK_PIECE_BYTES
 
-    return functools.partial(_mpiring.check, comm.handle, MPI.BYTE.handle, rank, size, mine, theirs, dtype_code,
+    words = np.frombuffer(schedule.encoded(), dtype=np.int32).copy()  # int32-aligned, as C reads it
+    return functools.partial(_mpiring.check, comm.handle, MPI.BYTE.handle, rank, words, mine, theirs, dtype_code,
                              OP_CODES[op], size, tag, CHECK_PIECE_BYTES, where, clock)
 
 

@@ -6,9 +6,10 @@ process can build every rank's view in a unit test.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 # One size rule for all of hpctrain (every unit a power of 1024); re-exported as comm.parse_size.
 from ..settings import format_size, parse_size  # noqa: F401
@@ -189,29 +190,117 @@ class Topology:
 
 
 class CheckSchedule(NamedTuple):
-    """One rank's messages in the agreement check over MPI (``guard``): recursive doubling
-    over the largest power of two of ranks (the core), each further rank folded into a core
-    rank first. ``home``: an extra rank's core rank (it sends its part there and gets the
-    result back), else -1; ``extra``: a core rank's extra rank, else -1; ``partners``: a core
-    rank's partner at each step (none for an extra rank); ``steps``: the core's number of
-    steps. The stages a rank waits in (what a stall report names): 0 a core rank's wait for
-    its extra's part, k + 1 step k, steps + 1 an extra rank's wait for the result. The C
-    check (``_mpiring.check``) computes the same."""
+    """One rank's messages in the agreement check over MPI (``guard``).
+
+    Recursive doubling over the largest power of two of the *core* ranks; every other rank
+    hands its part to a *home* rank first and gets the result back from it at the end. On one
+    node (or with one rank per node) every rank is a candidate for the core; with several
+    nodes holding several ranks, only each node's leader (its lowest rank) is: the node's
+    ranks fold into it along a binomial tree over the node's own transport, and only the
+    leaders' messages cross the network: one per step per node, where every rank's part
+    crossing in the same steps put ``local_size`` times the messages on the network and on the
+    CPUs that move them.
+
+    ``home``: the rank this one sends its part to and gets the result from, else -1;
+    ``extras``: the ranks whose parts this one takes first (in this order) and then sends the
+    result to (its children in the node's tree; a leader, then a leader folded into it);
+    ``partners``: a core rank's partner at each step (none for a rank with a home); ``steps``:
+    the core's number of steps. The stages a rank waits in (what a stall report names): 0 an
+    extra's part, k + 1 step k, steps + 1 the result from home. For stall reports (the rank
+    waiting where the check really stopped reports first): ``extra_heights``, the levels of
+    parts each extra itself waits for before it sends (0: none), and ``levels``, more than any
+    rank's (0 without trees: the stages alone order the waits). The C check
+    (``_mpiring.check``) runs the same schedule, passed as ``encoded()``."""
 
     home: int
-    extra: int
+    extras: Tuple[int, ...]
     partners: Tuple[int, ...]
     steps: int
+    extra_heights: Tuple[int, ...] = ()
+    levels: int = 0
+
+    def encoded(self) -> bytes:
+        """int32 [home, number of extras, extras..., number of partners, partners...]."""
+        words = [self.home, len(self.extras), *self.extras, len(self.partners), *self.partners]
+        return struct.pack(f"={len(words)}i", *words)
 
 
-def check_schedule(rank: int, size: int) -> CheckSchedule:
-    """Where ``rank`` of ``size`` (>= 2) sends and receives its part of the agreement check."""
-    core = 1 << (size.bit_length() - 1)
+def check_schedule(rank: int, size: int, node_of: Optional[Sequence[int]] = None) -> CheckSchedule:
+    """Where ``rank`` of ``size`` (>= 2) sends and receives its part of the agreement check;
+    ``node_of``: each rank's node (none: flat recursive doubling over every rank)."""
+    leaders = _check_leaders(size, node_of)
+    if leaders is None:
+        return _doubling(rank, list(range(size)), ())
+    on_node = [r for r in range(size) if node_of[r] == node_of[rank]]
+    local, count = on_node.index(rank), len(leaders)
+    depth = {node: 0 for node in leaders}  # each node's tree depth: the levels its leader waits for
+    for node in node_of:
+        depth[node] += 1
+    depth = {node: (ranks - 1).bit_length() for node, ranks in depth.items()}
+    levels = max(depth.values()) + 1
+    # a binomial tree on the node: local index i takes the parts of i + 2^k for every 2^k below
+    # i's lowest set bit (in rising k: the smaller subtrees complete first) and hands the sum to
+    # i without that bit; log2(ranks on the node) levels, where one leader taking every part in
+    # turn would wait for each
+    low = local & -local if local else 1 << len(on_node).bit_length()
+    spans = [(k, min(1 << k, len(on_node) - local - (1 << k))) for k in range(low.bit_length() - 1)
+             if local + (1 << k) < len(on_node)]
+    children = tuple(on_node[local + (1 << k)] for k, _ in spans)
+    heights = tuple((span - 1).bit_length() for _, span in spans)
+    if local:
+        return CheckSchedule(on_node[local - low], children, (), count.bit_length() - 1, heights, levels)
+    schedule = _doubling(rank, sorted(leaders.values()), children)
+    folded = {leader: depth[node] for node, leader in leaders.items()}  # a leader folded into this one
+    return schedule._replace(extra_heights=heights + tuple(folded[e] for e in schedule.extras[len(children):]),
+                             levels=levels)
+
+
+def _check_leaders(size: int, node_of: Optional[Sequence[int]]) -> Optional[Dict[int, int]]:
+    """Node -> its lowest rank, where the check folds each node into its leader: several
+    nodes, one of them with several ranks; else None."""
+    if node_of is None:
+        return None
+    if len(node_of) != size:
+        raise ValueError(f"node_of has {len(node_of)} entries for {size} ranks")
+    leaders: Dict[int, int] = {}
+    for r, node in enumerate(node_of):
+        leaders.setdefault(node, r)
+    return leaders if 1 < len(leaders) < size else None
+
+
+def _doubling(rank: int, core_candidates: List[int], local: Tuple[int, ...]) -> CheckSchedule:
+    """Recursive doubling over the largest power of two of ``core_candidates`` (ascending), the
+    others folded into core rank index - power; ``local``: ranks folded into ``rank`` before."""
+    count = len(core_candidates)
+    core = 1 << (count.bit_length() - 1)
     steps = core.bit_length() - 1
-    if rank >= core:
-        return CheckSchedule(rank - core, -1, (), steps)
-    extra = rank + core if rank + core < size else -1
-    return CheckSchedule(-1, extra, tuple(rank ^ (1 << k) for k in range(steps)), steps)
+    index = core_candidates.index(rank)
+    if index >= core:
+        return CheckSchedule(core_candidates[index - core], local, (), steps)
+    extra = (core_candidates[index + core],) if index + core < count else ()
+    partners = tuple(core_candidates[index ^ (1 << k)] for k in range(steps))
+    return CheckSchedule(-1, local + extra, partners, steps, (0,) * len(local + extra))
+
+
+def check_transfers(size: int, node_of: Optional[Sequence[int]] = None) -> int:
+    """The most parts any rank of the group receives in one check (its extras' and its
+    partners'): what bounds the data that rides on it (``guard.inband_limit``); the same on
+    every rank. Counted, not scheduled rank by rank: O(size)."""
+    if size < 2:
+        return 0
+    leaders = _check_leaders(size, node_of)
+    count = size if leaders is None else len(leaders)
+    core = 1 << (count.bit_length() - 1)
+    steps = core.bit_length() - 1
+    if leaders is None:
+        return steps + (1 if count > core else 0)
+    local = [0] * (max(node_of) + 1)
+    for node in node_of:
+        local[node] += 1
+    order = sorted(leaders, key=leaders.__getitem__)  # nodes by their leader's rank: core index
+    # a leader takes the most parts of its node's tree: one per level
+    return max((local[node] - 1).bit_length() + ((steps + (1 if i + core < count else 0)) if i < core else 0)
+               for i, node in enumerate(order))
 
 
 def topology_from_keys(node_keys: Sequence[object]) -> Topology:

@@ -146,28 +146,75 @@ def test_world_size_check_catches_silent_singletons():
 def test_the_check_pairs_ranks_by_recursive_doubling_with_extra_ranks_folded_in():
     from hpctrain.comm.plan import check_schedule
 
-    assert check_schedule(0, 4) == (-1, -1, (1, 2), 2)  # on 2 x 2 nodes: first its node, then across
-    assert check_schedule(3, 4) == (-1, -1, (2, 1), 2)
-    assert check_schedule(0, 3) == (-1, 2, (1,), 1) and check_schedule(2, 3) == (0, -1, (), 1)
-    assert check_schedule(1, 7) == (-1, 5, (0, 3), 2) and check_schedule(3, 7).extra == -1
+    assert check_schedule(0, 4) == (-1, (), (1, 2), 2, (), 0)  # one node, or no nodes given: every rank a core one
+    assert check_schedule(3, 4) == (-1, (), (2, 1), 2, (), 0)
+    assert check_schedule(0, 3) == (-1, (2,), (1,), 1, (0,), 0) and check_schedule(2, 3) == (0, (), (), 1, (), 0)
+    assert check_schedule(1, 7)[:3] == (-1, (5,), (0, 3)) and check_schedule(3, 7).extras == ()
+    assert check_schedule(1, 4, (0, 0, 0, 0)) == check_schedule(1, 4)
+    assert check_schedule(1, 3, (0, 1, 2)) == check_schedule(1, 3)  # one rank per node: the same
 
 
-@pytest.mark.parametrize("size", range(2, 34))
-def test_every_check_message_has_a_matching_receive(size):
-    """Each step pairs ranks both ways, every extra rank has exactly one core rank that takes
-    its part and sends it the result, and after the last step every core rank has (through its
-    partners) merged every core rank's part."""
-    from hpctrain.comm.plan import check_schedule
+def test_across_nodes_a_nodes_ranks_fold_into_its_leader_and_only_leaders_pair_up():
+    from hpctrain.comm.plan import check_schedule, check_transfers
 
-    schedules = [check_schedule(r, size) for r in range(size)]
+    two_by_two = (0, 0, 1, 1)
+    assert [check_schedule(r, 4, two_by_two)[:4] for r in range(4)] == [
+        (-1, (1,), (2,), 1), (0, (), (), 1), (-1, (3,), (0,), 1), (2, (), (), 1)]
+    # three nodes: leaders 0, 3, 5; the third leader folds (with its node) into the first
+    seven = (0, 0, 0, 1, 1, 2, 2)
+    assert check_schedule(0, 7, seven) == (-1, (1, 2, 5), (3,), 1, (0, 0, 1), 3)
+    assert check_schedule(5, 7, seven) == (0, (6,), (), 1, (0,), 3) and check_schedule(6, 7, seven)[:4] == (5, (), (), 1)
+    # ranks dealt to the nodes in turn: the leaders are each node's lowest rank
+    assert check_schedule(0, 4, (0, 1, 0, 1))[:4] == (-1, (2,), (1,), 1)
+    assert check_schedule(3, 4, (0, 1, 0, 1))[:4] == (1, (), (), 1)
+    # eight ranks on a node: a binomial tree (rank 0 takes 1, 2 and 4; 4 takes 5 and 6; 6 takes 7)
+    blocks = tuple(r // 8 for r in range(16))
+    tree = [check_schedule(r, 16, blocks) for r in range(8)]
+    assert [(s.home, s.extras) for s in tree] == [(-1, (1, 2, 4)), (0, ()), (0, (3,)), (2, ()), (0, (5, 6)),
+                                                  (4, ()), (4, (7,)), (6, ())]
+    assert tree[0].partners == (8,) and tree[0].extra_heights == (0, 1, 2) and tree[4].extra_heights == (0, 1)
+    assert check_transfers(16, blocks) == 4  # three tree levels and one step
+    assert check_transfers(4, two_by_two) == 2 and check_transfers(7, seven) == 4
+    assert check_transfers(4) == 2 and check_transfers(5) == 3 and check_transfers(1) == 0
+    with pytest.raises(ValueError, match="node_of"):
+        check_schedule(0, 4, (0, 1))
+
+
+def _layouts():
+    yield from ((size, None) for size in range(2, 34))
+    yield from ((size, tuple(r // per for r in range(size))) for size in range(2, 34) for per in (2, 3, 8))
+    yield from ((size, tuple(r % nodes for r in range(size))) for size in range(2, 20) for nodes in (2, 3))
+
+
+@pytest.mark.parametrize("size,node_of", list(_layouts()))
+def test_every_check_message_has_a_matching_receive(size, node_of):
+    """Each step pairs core ranks both ways, every other rank has exactly one home that lists
+    it among its extras (and folds in no cycle), after the last step every core rank has
+    (through its partners) merged every core rank's part, and every rank's part reaches the
+    core; check_transfers is the most parts a rank receives."""
+    from hpctrain.comm.plan import check_schedule, check_transfers
+
+    schedules = [check_schedule(r, size, node_of) for r in range(size)]
     core = [r for r, s in enumerate(schedules) if s.home < 0]
-    assert len(core) & (len(core) - 1) == 0 and len(core) > size // 2  # the largest power of two
+    assert 0 in core and len(core) & (len(core) - 1) == 0
     for r, s in enumerate(schedules):
         if s.home >= 0:
-            assert s.partners == () and schedules[s.home].extra == r
+            assert s.partners == () and schedules[s.home].extras.count(r) == 1
+        for extra in s.extras:
+            assert schedules[extra].home == r
         for step, partner in enumerate(s.partners):
             assert schedules[partner].partners[step] == r
-    known = {r: {r} for r in core}
+    def gathered(r):
+        return {r}.union(*(gathered(e) for e in schedules[r].extras))
+    known = {r: gathered(r) for r in core}
     for step in range(schedules[0].steps):
         known = {r: known[r] | known[schedules[r].partners[step]] for r in core}
-    assert all(known[r] == set(core) for r in core)
+    assert all(known[r] == set(range(size)) for r in core)
+    assert check_transfers(size, node_of) == max(len(s.extras) + len(s.partners) for s in schedules)
+    # a rank waiting for an extra waits less long before its stall report than the extra's own
+    # waits, and any wait for an extra less long than a wait at a step (levels + stage)
+    for r, s in enumerate(schedules):
+        assert len(s.extra_heights) == len(s.extras)
+        for extra, height in zip(s.extras, s.extra_heights):
+            assert all(h < height for h in schedules[extra].extra_heights)
+            assert height < s.levels or s.levels == 0 == height

@@ -110,6 +110,7 @@ class FakeMPI:
         # receives take the messages of ``incoming`` (an array: one message; a list: several) in turn
         self.messages = [] if incoming is None else list(incoming) if isinstance(incoming, list) else [incoming]
         self.sent = []  # the bytes of every send
+        self.peers = []  # ("send" or "recv", the other rank) of every posted message, in order
         self.received = []  # the bytes each receive took
         self.on_wait = lambda: None  # called in every wait (the C call has released the GIL)
         post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
@@ -129,10 +130,12 @@ class FakeMPI:
 
     def isend(self, buf, nbytes, dtype, dest, tag, comm, req):
         self.sent.append(self.ctypes.string_at(buf, nbytes))
+        self.peers.append(("send", dest))
         return self._post("send", req)
 
     def irecv(self, buf, nbytes, dtype, source, tag, comm, req):
         self.recvs += 1
+        self.peers.append(("recv", source))
         if self.recvs == self.fail_recv:
             return self.error
         if self.messages:
@@ -212,7 +215,14 @@ def part(header: bytes, seq: int, state, data: np.ndarray) -> np.ndarray:
 def check_args(x, clock, where=None, rows=80 + 32, header=bytes(range(56)), mine=None, decision=5, piece=4096):
     where = np.zeros(2, np.int32) if where is None else where
     mine = np.zeros(rows, np.uint8) if mine is None else mine
-    return (1, 1, 1, 2, mine, np.zeros(rows, np.uint8), F32, 0, 2, 101, piece, where, clock, header, x, 7, decision)
+    return (1, 1, 1, schedule_words(1, 2), mine, np.zeros(rows, np.uint8), F32, 0, 2, 101, piece, where, clock,
+            header, x, 7, decision)
+
+
+def schedule_words(rank, size, node_of=None):
+    from hpctrain.comm.plan import check_schedule
+
+    return np.frombuffer(check_schedule(rank, size, node_of).encoded(), np.int32).copy()
 
 
 def test_the_check_swaps_parts_and_reduces_with_the_lower_ranks_part_first(fake_mpi):
@@ -251,6 +261,54 @@ def test_the_check_finds_a_header_that_differs_and_leaves_the_data(fake_mpi):
     assert x.tolist() == [0, 1, 2, 3]
     fake_mpi(incoming=part(header, 7, [1, 0], np.ones(4, np.float32)))  # the same header, a mismatch found before
     assert _mpiring.check(*check_args(x, array.array("d", [0.0]))) == -1
+
+
+def test_a_node_leader_takes_its_nodes_part_first_swaps_across_and_sends_the_result_back(fake_mpi):
+    """Rank 0 of 2 x 2 nodes: rank 1's part comes in (merged, rank 0's data on the left),
+    then it swaps with leader 2 (its part now holds ranks 0 and 1) and sends the sum to rank 1;
+    its data-bytes word stays its own."""
+    header = bytes(range(56))
+    fake = fake_mpi(incoming=[part(header, 7, [0, 9], np.full(4, 1, np.float32)),
+                              part(header, 7, [0, 8], np.full(4, 100, np.float32))])
+    x = np.arange(4, dtype=np.float32)
+    mine = np.zeros(80 + 32, np.uint8)
+    args = list(check_args(x, array.array("d", [0.0]), mine=mine))
+    args[2], args[3] = 0, schedule_words(0, 4, (0, 0, 1, 1))
+    assert _mpiring.check(*args) == 0
+    assert x.tolist() == [101, 102, 103, 104]
+    assert fake.peers == [("recv", 1), ("recv", 2), ("send", 2), ("send", 1)]
+    assert fake.sent[0] == part(header, 7, [0, 5], np.arange(4, dtype=np.float32) + 1).tobytes()
+    assert fake.sent[1] == part(header, 7, [0, 5], x).tobytes()  # the result, rank 0's decision
+
+
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_a_rank_with_a_home_and_extras_forwards_the_homes_verdict_and_data(fake_mpi, mismatch):
+    """Rank 5 of 7 on nodes (0,0,0,1,1,2,2): a leader folded into rank 0. It takes rank 6's
+    part, sends the merged part home, and forwards what home sends (the verdict, rank 0's
+    decision and, when agreed, the data) to rank 6; its own data becomes the result only when
+    agreed."""
+    header = bytes(range(56))
+    result = part(header, 7, [int(mismatch), 3], np.full(4, 50, np.float32))
+    fake = fake_mpi(incoming=[part(header, 7, [0, 0], np.full(4, 2, np.float32)), result])
+    x = np.arange(4, dtype=np.float32)
+    args = list(check_args(x, array.array("d", [0.0])))
+    args[2], args[3] = 5, schedule_words(5, 7, (0, 0, 0, 1, 1, 2, 2))
+    assert _mpiring.check(*args) == (-1 if mismatch else 0)
+    assert fake.peers == [("recv", 6), ("recv", 0), ("send", 0), ("send", 6)]
+    assert fake.sent[0] == part(header, 7, [0, 5], np.arange(4, dtype=np.float32) + 2).tobytes()
+    forwarded = np.frombuffer(fake.sent[1], np.uint8)
+    assert forwarded[56:80].view(np.int64).tolist() == [int(mismatch), 3, 16]
+    assert x.tolist() == ([0, 1, 2, 3] if mismatch else [50] * 4)  # a mismatch leaves the caller's data
+
+
+def test_the_check_refuses_a_schedule_that_is_not_one():
+    x = np.zeros(4, np.float32)
+    # (rank 1) itself as home, itself as partner, cut short, a home and partners, a negative rank
+    for words in ([1, 0, 0], [-1, 0, 1, 1], [-1, 2, 3], [2, 0, 1, 0], [-1, 0, 1, -4], [-2, 0, 0]):
+        args = list(check_args(x, array.array("d", [0.0])))
+        args[3] = np.array(words, np.int32)
+        with pytest.raises(ValueError, match="schedule"):
+            _mpiring.check(*args)
 
 
 def test_the_check_refuses_a_clock_or_where_it_cannot_write_or_rows_too_small():
