@@ -204,7 +204,8 @@ DECLARED: Tuple[Setting, ...] = (
             "with a report (0: off)", minimum=0, zero="switches the watchdog off"),
     _flag("check_collectives", True, "per-collective agreement check (shape, dtype, op, order); 0 for speed"),
     _size("check_inband_bytes", 256 * KiB, 0, "where the agreement check runs over MPI (across nodes), an "
-          "`auto` all-reduce up to this size sends its data with its check header and the ranks reduce it as "
+          "`auto` all-reduce up to this size sends its data with its check header (with the check off too: "
+          "the same messages, faster than `MPI_Allreduce` there) and the ranks reduce it as "
           "they swap headers: one message per step of the check's schedule (two for 60-120 KiB, below TCP's "
           "eager limit), no `MPI_Allreduce` and no run-time "
           "choice (capped so that a rank receives at most 512 KiB of data per check: message x the parts it "
@@ -216,7 +217,8 @@ DECLARED: Tuple[Setting, ...] = (
           "streamed shm path, `MPI_Allreduce`, and the ring: from 1 MiB at 3 ranks or more, from 32 MiB at 2) and "
           "runs the fastest, re-trying the others now and then; local rank 0 decides, every rank follows (one "
           "flag exchange per run of up to 16 calls of the running best; trials call by call). Across nodes, "
-          "from 128 KiB and above the all-reduces that ride on the agreement check (HPCTRAIN_CHECK_INBAND_BYTES), among "
+          "from 128 KiB and above the all-reduces that ride on the agreement check's messages "
+          "(HPCTRAIN_CHECK_INBAND_BYTES), among "
           "`MPI_Allreduce`, the ring and the hierarchical path: group rank 0 decides and its pick rides on "
           "the agreement check (with the check off, the fixed choice runs). 0 (on any rank of a node; across "
           "nodes rank 0's value: agreed when a group is made): fixed thresholds (reproducible choice)"),

@@ -207,3 +207,22 @@ def test_ranks_in_c_and_in_python_interoperate(python_on, monkeypatch):
         np.testing.assert_array_equal(got, np.full(3, (N - 1) / 2))
     finally:
         g.free()
+
+
+def test_with_the_check_off_small_auto_calls_still_take_the_checks_messages(mpi_allreduces):
+    """Across nodes the check's messages carry a small all-reduce faster than MPI_Allreduce,
+    so with the check off ``auto`` still sends them (every path: a 1-D array, any other shape,
+    a tensor), with MPI's sums; calls of different sizes then still meet as a mismatch."""
+    comm.set_checks(False)
+    try:
+        for x in (np.full(5, R + 1.0), np.full((2, 3), R + 1.0, np.float32), torch.full((4,), R + 1.0)):
+            got = comm.allreduce(x)
+            assert float(got.reshape(-1)[0]) == N * (N + 1) / 2 and tuple(got.shape) == tuple(x.shape)
+        y = np.full(7, R + 1.0)
+        comm.allreduce_(y)
+        assert y.tolist() == [N * (N + 1) / 2] * 7
+        with pytest.raises(comm.CollectiveMismatchError):
+            comm.allreduce_(np.ones(12 if R == N - 1 else 10))
+    finally:
+        comm.set_checks(True)
+    assert mpi_allreduces == []
