@@ -211,6 +211,12 @@ DECLARED: Tuple[Setting, ...] = (
           "choice (capped so that a rank receives at most 512 KiB of data per check: message x the parts it "
           "takes, its steps and its node's tree levels; 256 KiB at 4 ranks, 128 KiB at 16); rank 0's value holds "
           "for the group; 0: never"),
+    Setting("check_schedule", "choice", "leaders", "across nodes, how the agreement check's messages (and the "
+            "small all-reduces on them) travel: `leaders`, each node's ranks fold into its lowest rank along a "
+            "binomial tree and only the leaders swap across nodes (one message per step per node); `flat`, "
+            "recursive doubling over every rank (every rank's part crosses). Compare them on your network with "
+            "benchmarks/check_schedule.py; rank 0's value holds for the group",
+            choices=("leaders", "flat")),
     Setting("allreduce", "choice", "auto", "force an all-reduce algorithm: ring, native, shm, hierarchical",
             choices=("auto", "ring", "native", "shm", "hierarchical")),
     _flag("autotune", True, "on one node, `auto` times its candidates for private buffers above 256 KiB (the "

@@ -17,19 +17,21 @@ pytestmark = [pytest.mark.cluster, pytest.mark.mpi, pytest.mark.slow]
 SUITES = {
     # id: (file, extra pytest arguments)
     "data_loader": ("tests/mpi/test_data_loader.py", []),
-    # the agreement check by recursive doubling and small all-reduces riding on it, over TCP
+    # the agreement check (node trees, leaders across) and small all-reduces riding on it, over TCP
     "agreement": ("tests/mpi/test_comm_agreement_mpi.py", []),
+    # the same with every rank in the recursive doubling (HPCTRAIN_CHECK_SCHEDULE=flat)
+    "agreement_flat": ("tests/mpi/test_comm_agreement_mpi.py", [], {"HPCTRAIN_CHECK_SCHEDULE": "flat"}),
     "torch_optimizer_equivalence": ("tests/mpi/test_torch_optimizer.py", ["-k", "equivalence"]),
 }
 
 
 @pytest.mark.parametrize("suite", sorted(SUITES))
 def test_mpi_suite_at_2x2(multinode_cluster, suite):
-    path, extra = SUITES[suite]
+    path, extra, *env = SUITES[suite]
     proc = run_mpi_on_cluster(
         "node1:2,node2:2",
         python_argv(*CHILD_PYTEST, "--color=no", path, *extra),
         timeout=300,
-        env=dict(CHILD_ENV),
+        env={**CHILD_ENV, **(env[0] if env else {})},
     )
     assert proc.returncode == 0, f"{path} {' '.join(extra)} across node1:2,node2:2 failed (rc={proc.returncode}):\n{proc.stdout[-10000:]}"

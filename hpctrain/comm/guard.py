@@ -22,7 +22,9 @@ hierarchical MPI all-reduce: a checked small all-reduce costs about what the unc
 does.
 
 Switch off with HPCTRAIN_CHECK_COLLECTIVES=0 (or ``set_checks(False)``) for speed; the
-watchdog still catches stalls then, but cannot name the missing ranks as precisely.
+watchdog still catches stalls then, but cannot name the missing ranks as precisely. Small
+``auto`` all-reduces over MPI still travel in the check's messages then (faster than
+MPI_Allreduce across nodes), so a mismatch among them is still found.
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class Group:
         from . import tuning
 
         mine = (settings.rc.cross_node_ring_bytes, settings.rc.cross_node_hierarchical_bytes, tuning.enabled(),
-                settings.rc.check_inband_bytes)
+                settings.rc.check_inband_bytes, settings.rc.check_schedule)
         facts = mpi_comm.allgather((leader, mine))
         self.topology: Topology = topology_from_keys([f[0] for f in facts])
         self.cross_node = tuple(facts[0][1][:2])
@@ -92,10 +92,12 @@ class Group:
         # check is a flag exchange); from rank 0's HPCTRAIN_CHECK_INBAND_BYTES, agreed above:
         # ranks with different limits would send a call's data in different messages, and the
         # receive buffers are sized by it.
-        self.inband = 0 if self.small_shm else guard.inband_limit(facts[0][1][3], self.size, self.topology.node_of)
-        # whom this rank swaps its part of the agreement check over MPI with (across nodes the
-        # node's ranks fold into its leader, and only the leaders' messages cross the network)
-        self.check_schedule = check_schedule(self.rank, self.size, self.topology.node_of) if self.size > 1 else None
+        # whom this rank swaps its part of the agreement check over MPI with: across nodes the
+        # node's ranks fold into its leader, and only the leaders' messages cross the network
+        # (HPCTRAIN_CHECK_SCHEDULE=flat: every rank in the recursive doubling); rank 0's choice
+        nodes = self.topology.node_of if facts[0][1][4] == "leaders" else None
+        self.inband = 0 if self.small_shm else guard.inband_limit(facts[0][1][3], self.size, nodes)
+        self.check_schedule = check_schedule(self.rank, self.size, nodes) if self.size > 1 else None
         self.shm_arena = None  # created on first shared-memory use
         self.shared_buffers: list = []  # zero-copy buffers allocated on this group
         # auto's run-time choice (collectives._tuned_call). On one node: on when every rank

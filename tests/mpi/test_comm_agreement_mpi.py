@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain import comm
+from hpctrain import comm, settings
 from hpctrain.comm import algorithms, guard
 
 RANKS = ()  # only without the flags (below): with them the check is a flag exchange
@@ -226,3 +226,19 @@ def test_with_the_check_off_small_auto_calls_still_take_the_checks_messages(mpi_
     finally:
         comm.set_checks(True)
     assert mpi_allreduces == []
+
+
+def test_the_check_runs_the_schedule_asked_for():
+    """HPCTRAIN_CHECK_SCHEDULE: across nodes with several ranks on a node, ``leaders`` hands
+    every rank but a node's lowest to a rank of its own node; ``flat`` (or one node, or one
+    rank per node) puts every rank of the largest power of two in the recursive doubling."""
+    schedule, node_of = WORLD.check_schedule, WORLD.topology.node_of
+    flat = settings.rc.check_schedule == "flat" or len(set(node_of)) in (1, N)
+    if flat:
+        assert (schedule.home >= 0) == (R >= 1 << (N.bit_length() - 1)), schedule
+    else:
+        lowest = min(r for r in range(N) if node_of[r] == node_of[R])
+        if R != lowest:
+            assert schedule.home >= 0 and node_of[schedule.home] == node_of[R] and not schedule.partners, schedule
+        else:
+            assert all(node_of[p] != node_of[R] for p in schedule.partners), schedule
