@@ -632,8 +632,9 @@ class _TunedCall(_BoundTuned):
     the ranks up and cost ~9 µs of pipelining at 1 MiB), another pick checks it in a flag
     exchange of its own. Local rank 0 times every call for its tuner, from before the
     exchange: its wait holds the skew the previous call (the same algorithm, unless it just
-    switched, which the tuner does not believe) left between ranks. Runs for every pick: with
-    2 ranks at 4 MiB a decision every call cost ~0.05 ms more."""
+    switched, which the tuner does not believe) left between ranks, and hands the timings to
+    the tuner at the next decision (``Tuner.defer``). Runs for every pick: with 2 ranks at 4 MiB
+    a decision every call cost ~0.05 ms more."""
 
     __slots__ = ("code", "red", "deciding")
 
@@ -666,8 +667,8 @@ class _TunedCall(_BoundTuned):
                                          g.describe_ranks, g, shape)
         else:
             self._run(algo, out, shape)
-        if self.deciding:
-            g.tuner.record(self.key, algo, _perf_counter() - start)
+        if self.deciding:  # recorded at the next decision (Tuner.defer): nothing is decided before it
+            g.tuner.defer(self.key, algo, _perf_counter() - start)
 
 
 class _TunedAcrossNodes(_BoundTuned):

@@ -363,6 +363,9 @@ class CyclingTuner:
     def record(self, key, name, seconds):
         self.timings.append((name, seconds))
 
+    def defer(self, key, name, seconds):  # the real tuner records these at its next choice
+        self.record(key, name, seconds)
+
     def counts(self):
         return {}
 

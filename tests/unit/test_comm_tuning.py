@@ -346,3 +346,31 @@ def test_a_best_whose_average_rises_above_a_loser_gives_the_loser_a_trial_first(
     assert ran[first:first + tuning.TRIAL_CALLS] == ["shm"] * tuning.TRIAL_CALLS
     assert ran[-100:].count("shm") > 90
     assert tuner.best("k") == "shm"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deferred_timings_decide_exactly_as_timings_recorded_at_once(seed):
+    """``defer`` (what one node's call does) records at the next choice: within a run nothing
+    is decided, so a tuner fed the same timings late picks the same runs, keeps the same
+    estimates and counts, through state changes, trials, switches and slow spikes."""
+    import random
+
+    rng = random.Random(seed)
+    now, later = tuning.Tuner(), tuning.Tuner()
+    key, cands = "k", ("shm", "native", "ring")
+    picks_now, picks_later = [], []
+    for i in range(3000):
+        a, b = now.choose_run(key, cands, 16), later.choose_run(key, cands, 16)
+        picks_now.append(a)
+        picks_later.append(b)
+        assert a == b, f"decision {i}: {a} against {b}"
+        for _ in range(a[1]):
+            base = {"shm": 1.0, "native": 0.9, "ring": 1.3} if (i // 400) % 2 else {"shm": 0.8, "native": 1.0,
+                                                                                     "ring": 1.2}
+            seconds = base[a[0]] * rng.uniform(0.8, 1.2) * (2.5 if rng.random() < 0.03 else 1.0)
+            now.record(key, a[0], seconds)
+            later.defer(key, a[0], seconds)
+    assert later.pending  # the last run's timings wait for the next choice ...
+    assert later.counts() == now.counts() and not later.pending  # ... or for counts
+    assert later.estimates(key) == now.estimates(key)
+    assert len({name for name, _ in picks_now}) == 3
