@@ -94,10 +94,10 @@ def _route(g: Group, nbytes: int, dtype_name: str, requested: str, shared: bool)
     """``plan.route`` with this group's facts: the one all-reduce decision, for every path.
     Cached on the group (deciding costs ~4 µs, a small all-reduce's whole budget): every
     input but the call's own is fixed while the group lives (its flags, topology, run-time
-    choice and thresholds; ``Group.free`` drops the cache with the flags), and the agreement
-    check's state is part of the key. With the check off a small call's data rides on the
-    check's messages all the same (``_native``): across nodes they beat MPI_Allreduce."""
-    key = (nbytes, dtype_name, requested, shared, _CHECKS.on)
+    choice and thresholds; ``Group.free`` drops the cache with the flags). The route does not
+    depend on the agreement check: with the check off a small call's data rides on the check's
+    messages all the same (``_native``), since across nodes they beat MPI_Allreduce."""
+    key = ("route", nbytes, dtype_name, requested, shared)
     route = g.routes.get(key)
     if route is None:
         inband = g.inband if guard.inband_dtype(dtype_name) else 0
@@ -349,7 +349,7 @@ def _lean(g: Group, nbytes: int, dtype: np.dtype, op: str) -> _Lean:
                     entry.native = _NativeCall(g, op, name, count, route.algorithm)
             elif route.kind == "tuned":
                 entry.tuned = _tuned_call(g, nbytes, op, name, code, count, route.candidates)
-    _cache(g, (nbytes, dtype, op, _CHECKS.on), entry)  # the route may depend on the check (_route)
+    _cache(g, (nbytes, dtype, op, _CHECKS.on), entry)  # its header and bound calls depend on the check
     return entry
 
 

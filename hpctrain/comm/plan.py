@@ -248,11 +248,17 @@ def check_schedule(rank: int, size: int, node_of: Optional[Sequence[int]] = None
     children = tuple(on_node[local + (1 << k)] for k, _ in spans)
     heights = tuple((span - 1).bit_length() for _, span in spans)
     if local:
-        return CheckSchedule(on_node[local - low], children, (), count.bit_length() - 1, heights, levels)
+        return CheckSchedule(on_node[local - low], children, (), _core(count)[1], heights, levels)
     schedule = _doubling(rank, sorted(leaders.values()), children)
     folded = {leader: depth[node] for node, leader in leaders.items()}  # a leader folded into this one
     return schedule._replace(extra_heights=heights + tuple(folded[e] for e in schedule.extras[len(children):]),
                              levels=levels)
+
+
+def _core(count: int) -> Tuple[int, int]:
+    """The largest power of two of ``count`` ranks (the recursive doubling's core) and its steps."""
+    core = 1 << (count.bit_length() - 1)
+    return core, core.bit_length() - 1
 
 
 def _check_leaders(size: int, node_of: Optional[Sequence[int]]) -> Optional[Dict[int, int]]:
@@ -272,8 +278,7 @@ def _doubling(rank: int, core_candidates: List[int], local: Tuple[int, ...]) -> 
     """Recursive doubling over the largest power of two of ``core_candidates`` (ascending), the
     others folded into core rank index - power; ``local``: ranks folded into ``rank`` before."""
     count = len(core_candidates)
-    core = 1 << (count.bit_length() - 1)
-    steps = core.bit_length() - 1
+    core, steps = _core(count)
     index = core_candidates.index(rank)
     if index >= core:
         return CheckSchedule(core_candidates[index - core], local, (), steps)
@@ -290,8 +295,7 @@ def check_transfers(size: int, node_of: Optional[Sequence[int]] = None) -> int:
         return 0
     leaders = _check_leaders(size, node_of)
     count = size if leaders is None else len(leaders)
-    core = 1 << (count.bit_length() - 1)
-    steps = core.bit_length() - 1
+    core, steps = _core(count)
     if leaders is None:
         return steps + (1 if count > core else 0)
     local = [0] * (max(node_of) + 1)

@@ -138,7 +138,8 @@ class Tuner:
         tried other candidate runs a trial of ``trial_calls`` calls. Called around every
         tuned collective: the common case (no trial due) is a few attribute updates.
         """
-        self.flush()
+        if self.pending:  # called around every tuned collective: no call when nothing waits
+            self.flush()
         sc = self.classes.get(key)
         if sc is None or sc.candidates != candidates:
             sc = self._class(key, candidates)

@@ -114,8 +114,8 @@ class Group:
         self.tuned_choice = np.zeros(1, dtype=np.int64)
         self.tuned_runs: dict = {}  # size class key -> [candidate index, calls left in the run] (every rank)
         # all-reduce decisions, made once per kind of call (their inputs are this group's fixed
-        # facts): (nbytes, dtype, op) -> the lean path's collectives._Lean, (nbytes, dtype name,
-        # requested algorithm, shared) -> plan.Route (collectives._route), and a checked native
+        # facts): (nbytes, dtype, op, check on) -> the lean path's collectives._Lean, ("route",
+        # nbytes, dtype name, requested algorithm, shared) -> plan.Route (collectives._route), a checked native
         # call's header, its guard.InbandCall or its check (collectives._checked_native), and
         # ("decision", op, dtype name, count word) -> a tuned call's header and DecisionCheck
         self.routes: dict = {}
