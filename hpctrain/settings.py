@@ -272,6 +272,10 @@ DECLARED: Tuple[Setting, ...] = (
     _flag("abort_on_exception", True, "an uncaught exception on any rank aborts the MPI job"),
     Setting("mpiexec", "text", None, "the `mpiexec` `hpctrain launch` runs; unset: the one beside this Python, "
             "else the first on PATH"),
+    Setting("launch_abort_grace", "seconds", 20.0, "seconds `hpctrain launch` lets mpiexec run on after it "
+            "printed that a rank called `MPI_Abort`; then it ends mpiexec and every process under it and exits "
+            "with the abort's code (Open MPI 5's launcher was seen to stay, its ranks gone, when ranks on two "
+            "nodes aborted at once) (0: never)", minimum=0, zero="lets mpiexec run on"),
     Setting("checkpoint_dir", "text", None, "directory whose free space `hpctrain probe` reports (the default "
             "of `--checkpoint-dir`)"),
 )

@@ -18,12 +18,19 @@ ranks. The launch then exits 0 when every rank either finished or was lost, and 
 ranks were lost and the committed step the survivors resumed from. A rank that stops the job
 on an error ends it: should mpiexec still be running 60 s after that rank reported its abort
 (seen under fault tolerance), the launch stops it and everything under it and exits 1.
+
+Every launch reads mpiexec's standard error as it passes it on: once mpiexec has printed that
+a rank called ``MPI_Abort`` (Open MPI, MPICH), it should end the job within seconds; Open MPI
+5's launcher was seen to stay, its ranks all gone, when ranks on two nodes aborted at once.
+``$HPCTRAIN_LAUNCH_ABORT_GRACE`` seconds (20) after the report the launch stops mpiexec and
+everything under it and exits with the code given to ``MPI_Abort``, as mpiexec would have.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -270,16 +277,98 @@ def elastic_outcome(launched: int, reports: List[dict]) -> ElasticOutcome:
     return ElasticOutcome(launched, finished, list(longest.get("reforms", [])), failed)
 
 
+# --------------------------------------------------------------------------- a launcher that outlives MPI_Abort
+# What launchers print when a rank calls MPI_Abort: Open MPI 5 (the code on an "Errorcode:"
+# line under the banner), Open MPI 4 ("with errorcode N."), MPICH's Hydra.
+ABORT_REPORTS = (
+    re.compile(r"MPI_ABORT was invoked on rank (?P<rank>\d+) in communicator .{0,300}?"
+               r"(?:Errorcode:|with errorcode)\s*(?P<code>-?\d+)", re.S),
+    re.compile(r"application called MPI_Abort\([^,)]*, (?P<code>-?\d+)\) - process (?P<rank>\d+)"),
+)
+
+
+class AbortReport:
+    """Fed what mpiexec writes to its standard error; ``overdue()`` (for wait_unless_overdue)
+    says why mpiexec must be ended: it reported a rank's MPI_Abort ``grace`` seconds ago or
+    more and still runs (``grace`` 0: never). ``exit_status()``: what mpiexec exits with after
+    an abort, the rank's error code (1 when that code is 0 modulo 256)."""
+
+    TAIL = 4096  # a report may come in pieces: the end of what came so far is searched
+
+    def __init__(self, grace: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace, self.clock = grace, clock
+        self.tail = ""
+        self.since: Optional[float] = None
+        self.rank: Optional[int] = None
+        self.code: Optional[int] = None
+
+    def feed(self, text: str) -> None:
+        if self.since is not None:
+            return
+        self.tail = (self.tail + text)[-self.TAIL:]
+        for pattern in ABORT_REPORTS:
+            match = pattern.search(self.tail)
+            if match:
+                self.since, self.rank, self.code = self.clock(), int(match["rank"]), int(match["code"])
+                return
+
+    def __call__(self) -> Optional[str]:
+        if self.since is None or self.grace <= 0 or self.clock() - self.since < self.grace:
+            return None
+        return (f"rank {self.rank} called MPI_Abort (error code {self.code}) and mpiexec reported it, but "
+                f"mpiexec still runs {self.grace:g} s later; ending it and every process under it")
+
+    def exit_status(self) -> int:
+        return (self.code or 0) % 256 or 1
+
+
+def first_reason(*checks: Optional[Callable[[], Optional[str]]]) -> Callable[[], Optional[str]]:
+    """One ``overdue()`` from several: the first reason any of them gives."""
+    def overdue() -> Optional[str]:
+        for check in checks:
+            why = check() if check is not None else None
+            if why:
+                return why
+        return None
+    return overdue
+
+
+def pass_on_and_feed(source: int, sink: object, report: AbortReport) -> None:
+    """Copy file descriptor ``source`` to ``sink`` (a binary stream) unchanged as it comes, and
+    feed it to ``report``, until it closes."""
+    while True:
+        try:
+            chunk = os.read(source, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        try:
+            sink.write(chunk)  # type: ignore[attr-defined]
+            sink.flush()  # type: ignore[attr-defined]
+        except (OSError, ValueError):  # our stderr is gone: still watch for the abort
+            pass
+        report.feed(chunk.decode(errors="replace"))
+
+
 def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
                            overdue: Optional[Callable[[], Optional[str]]] = None) -> int:
     """Run ``argv`` (an mpiexec command); a stop signal to this process goes to the ranks
-    (mpiexec itself when none is found yet). ``overdue()``, asked every second, says why the
-    job must be ended now (None: not yet): then mpiexec and every process under it are
-    stopped and the status is 1. Otherwise the exit status is mpiexec's, or 128 + the signal
+    (mpiexec itself when none is found yet). mpiexec's standard error passes through an
+    ``AbortReport``: mpiexec still running HPCTRAIN_LAUNCH_ABORT_GRACE s after it reported an
+    MPI_Abort is stopped with every process under it, and the status is the abort's code.
+    ``overdue()``, asked every second, says why the job must be ended now (None: not yet): then
+    the same, and the status is 1. Otherwise the exit status is mpiexec's, or 128 + the signal
     when one was forwarded and the job ended non-zero."""
     import psutil  # noqa: F401 - imported here, not first inside a signal handler (a second signal mid-import broke it)
+    import threading
 
-    proc = subprocess.Popen(argv, env=dict(env))
+    proc = subprocess.Popen(argv, env=dict(env), stderr=subprocess.PIPE)
+    report = AbortReport(settings.rc.launch_abort_grace)
+    sink = getattr(sys.stderr, "buffer", None) or _TextSink(sys.stderr)
+    pump = threading.Thread(target=pass_on_and_feed, args=(proc.stderr.fileno(), sink, report),
+                            name="hpctrain-launch-stderr", daemon=True)
+    pump.start()
     caught: List[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -295,19 +384,35 @@ def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        rc = wait_unless_overdue(proc, overdue)
+        rc = wait_unless_overdue(proc, first_reason(report, overdue),
+                                 stopped_status=lambda: report.exit_status() if report() else 1)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        pump.join(timeout=5.0)  # a daemon mpiexec left behind may hold the pipe open: do not wait on it
+        proc.stderr.close()
     if caught and rc != 0:
         return 128 + caught[0]
     return rc
 
 
+class _TextSink:
+    """A binary sink onto a text stream without a buffer (a test's captured stderr)."""
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+
+    def write(self, chunk: bytes) -> None:
+        self.stream.write(chunk.decode(errors="replace"))  # type: ignore[attr-defined]
+
+    def flush(self) -> None:
+        self.stream.flush()  # type: ignore[attr-defined]
+
+
 def wait_unless_overdue(proc: subprocess.Popen, overdue: Optional[Callable[[], Optional[str]]],
-                        poll_s: float = 1.0) -> int:
-    """``proc``'s exit status; 1 after stopping it and its descendants when ``overdue()``
-    gives a reason."""
+                        poll_s: float = 1.0, stopped_status: Callable[[], int] = lambda: 1) -> int:
+    """``proc``'s exit status; ``stopped_status()`` after stopping it and its descendants when
+    ``overdue()`` gives a reason."""
     while True:
         try:
             return proc.wait(timeout=poll_s if overdue else None)
@@ -318,7 +423,7 @@ def wait_unless_overdue(proc: subprocess.Popen, overdue: Optional[Callable[[], O
             print(f"hpctrain launch: {why}", file=sys.stderr, flush=True)
             stop_process_tree(proc.pid)
             proc.wait()
-            return 1
+            return stopped_status()
 
 
 def stop_process_tree(root: int, grace_s: float = 5.0) -> None:

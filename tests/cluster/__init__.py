@@ -157,18 +157,63 @@ def mpiexec_on_cluster_argv(hosts_spec: str, argv: Sequence[str]) -> List[str]:
     ]
 
 
-def _run_killing_tree(cmd: Sequence[str], timeout: float, env: Dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+# Open MPI 5.0's mpiexec can stay after an MPI_Abort across nodes, every rank gone (two ranks
+# on two nodes aborting at once; docs/multinode.md): once it has reported the abort and no
+# rank of the job is left, it is ended after this long, as `hpctrain launch` does.
+LINGER_AFTER_ABORT_S = 10.0
+
+
+def _run_killing_tree(cmd: Sequence[str], timeout: float, env: Dict[str, str], cwd: Path,
+                      rank_argv: Optional[Sequence[str]] = None) -> subprocess.CompletedProcess:
+    from hpctrain.cli.launch import AbortReport
+    import time
+
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=env, cwd=str(cwd), start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
-    except subprocess.TimeoutExpired:
+    report = AbortReport(grace=LINGER_AFTER_ABORT_S)
+    lines: List[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            report.feed(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if rank_argv and report() and not _ranks_alive(rank_argv):
+            _kill_tree(proc.pid)
+            proc.wait()
+            reader.join(timeout=10)
+            note = (f"\n[mpiexec still ran {LINGER_AFTER_ABORT_S:g} s after it reported rank {report.rank}'s "
+                    "MPI_Abort, no rank of the job left: ended by the test helper]")
+            return subprocess.CompletedProcess(list(cmd), report.exit_status(), "".join(lines) + note, "")
+        time.sleep(0.5)
+    if proc.poll() is None:
         _kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        return subprocess.CompletedProcess(list(cmd), -9, (out or "") + f"\n[killed after {timeout}s]", "")
+        proc.wait()
+        reader.join(timeout=10)
+        return subprocess.CompletedProcess(list(cmd), -9, "".join(lines) + f"\n[killed after {timeout}s]", "")
+    reader.join()
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, "".join(lines), "")
+
+
+def _ranks_alive(rank_argv: Sequence[str]) -> bool:
+    """Whether a process runs ``rank_argv`` (its command line ends with everything after the
+    program: ranks on every node, the namespaces share one process table)."""
+    import psutil
+    from hpctrain.cli.launch import is_launcher
+
+    tail = list(rank_argv[1:])
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        launcher = any(is_launcher(os.path.basename(arg)) or arg == str(RUN_ON_NODE) for arg in cmdline)
+        if tail and cmdline[-len(tail):] == tail and not launcher:
+            return True
+    return False
 
 
 def _kill_tree(pid: int) -> None:
@@ -202,10 +247,12 @@ def run_mpi_on_cluster(
 
     Ranks are placed in the order of the spec (node1's slots first). Returns the completed
     process with stdout and stderr merged; never raises on rc != 0. A run that outlives
-    ``timeout`` is killed (with the daemons on every node) and returns rc -9.
+    ``timeout`` is killed (with the daemons on every node) and returns rc -9; one whose
+    mpiexec stays after reporting an MPI_Abort, every rank gone, is ended LINGER_AFTER_ABORT_S
+    later and returns the abort's code (a note at the end of its output says so).
     """
     cmd = mpiexec_on_cluster_argv(hosts_spec, argv)
-    return _run_killing_tree(cmd, timeout, cluster_env(env), cwd or ROOT)
+    return _run_killing_tree(cmd, timeout, cluster_env(env), cwd or ROOT, rank_argv=argv)
 
 
 def run_on_node(

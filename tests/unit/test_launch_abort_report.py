@@ -1,0 +1,113 @@
+"""`hpctrain launch` ends an mpiexec that reported a rank's MPI_Abort and then stayed."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpctrain.cli import launch
+
+OMPI5 = """--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 2 in communicator MPI_COMM_WORLD
+  Proc: [[32260,1],2]
+  Errorcode: 3
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+"""
+OMPI4 = """--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD
+with errorcode 7.
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+"""
+MPICH = "application called MPI_Abort(MPI_COMM_WORLD, 9) - process 4\n"
+
+
+@pytest.mark.parametrize("text,rank,code", [(OMPI5, 2, 3), (OMPI4, 1, 7), (MPICH, 4, 9)])
+def test_each_launchers_abort_report_is_read(text, rank, code):
+    report = launch.AbortReport(grace=5, clock=lambda: 0.0)
+    report.feed("rank output before the abort\n")
+    assert report.since is None
+    report.feed(text)
+    assert (report.rank, report.code, report.since) == (rank, code, 0.0)
+    assert report.exit_status() == code
+
+
+def test_a_report_split_across_reads_is_read_and_the_grace_counts_from_its_end():
+    now = [10.0]
+    report = launch.AbortReport(grace=5, clock=lambda: now[0])
+    head, rest = OMPI5[:120], OMPI5[120:]
+    report.feed(head)
+    assert report.since is None  # the code has not come yet
+    now[0] = 12.0
+    report.feed(rest)
+    assert report.since == 12.0
+    now[0] = 16.9
+    assert report() is None
+    now[0] = 17.0
+    assert "rank 2 called MPI_Abort (error code 3)" in report()
+    report.feed(OMPI4)  # a second rank's report changes nothing
+    assert (report.rank, report.since) == (2, 12.0)
+
+
+def test_no_report_or_a_zero_grace_never_ends_the_job_and_code_zero_exits_one():
+    now = [0.0]
+    quiet, never = launch.AbortReport(grace=1, clock=lambda: now[0]), launch.AbortReport(grace=0, clock=lambda: now[0])
+    quiet.feed("MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n")  # no code yet
+    never.feed(MPICH)
+    now[0] = 1000.0
+    assert quiet() is None and never() is None
+    zero = launch.AbortReport(grace=1)
+    zero.feed("application called MPI_Abort(MPI_COMM_WORLD, 256) - process 0\n")
+    assert zero.exit_status() == 1
+
+
+# An mpiexec that prints the abort report, then neither ends its child nor exits.
+LINGERING = """#!/bin/sh
+printf 'rank 0 says: \\303\\251t\\303\\251\\n' >&2
+printf -- '--------\\nMPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD\\n  Proc: [[1,1],1]\\n  Errorcode: 5\\n' >&2
+date +%s.%N > "$REPORTED"
+sleep 300 &
+echo $! > "$PIDFILE"
+wait
+"""
+# One that prints the same and exits as Open MPI does.
+EXITING = """#!/bin/sh
+printf 'MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD\\n  Errorcode: 5\\n' >&2
+exit 5
+"""
+
+
+def _launch(tmp_path, script, grace):
+    exe = tmp_path / "mpiexec"
+    exe.write_text(script)
+    exe.chmod(0o755)
+    env = {**os.environ, "HPCTRAIN_LAUNCH_ABORT_GRACE": str(grace), "PIDFILE": str(tmp_path / "pid"),
+           "REPORTED": str(tmp_path / "reported"), "HPCTRAIN_MPIEXEC": str(exe)}
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "hpctrain.cli.main", "launch", "-n", "2", "--", "true"],
+                          capture_output=True, timeout=120, env=env)
+    return proc, time.time() - started
+
+
+def test_a_launch_ends_an_mpiexec_that_stays_after_reporting_an_abort(tmp_path):
+    import psutil
+
+    proc, _ = _launch(tmp_path, LINGERING, grace=1.5)
+    ended = time.time()
+    err = proc.stderr.decode()
+    assert proc.returncode == 5, err
+    assert "rank 0 says: été\n" in err, "mpiexec's standard error must pass through unchanged"
+    assert "mpiexec still runs 1.5 s later; ending it" in err, err
+    waited = ended - float((tmp_path / "reported").read_text())
+    assert waited >= 1.5, f"ended {waited:.2f} s after the report, before the 1.5 s grace"
+    child = int((tmp_path / "pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_mpiexec_that_exits_after_an_abort_keeps_its_status_and_is_not_waited_for(tmp_path):
+    proc, took = _launch(tmp_path, EXITING, grace=60)
+    assert proc.returncode == 5, proc.stderr.decode()
+    assert "ending it" not in proc.stderr.decode()
+    assert took < 30, f"hpctrain launch took {took:.1f} s after mpiexec exited"
