@@ -133,6 +133,10 @@ def fake_launchers(bindir: Path, record: Path) -> None:
             f"printf '%s\\0' \"$EVIL\" \"$SOURCED\" > {shlex.quote(str(record))}.env\n"
         )
         exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    # `scontrol show hostnames` (the multi-node templates' MASTER_ADDR) where no SLURM is installed
+    scontrol = bindir / "scontrol"
+    scontrol.write_text("#!/bin/bash\nprintf '%s\\n' n1\n")
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
