@@ -246,6 +246,10 @@ DECLARED: Tuple[Setting, ...] = (
           "its part of every segment)"),
     _size("shm_slot_bytes", 256 * KiB, 4 * KiB, "size of each rank's two flag slots: the largest segment of the "
           "streamed all-reduce (raised to `HPCTRAIN_SHM_SMALL_BYTES` if smaller)"),
+    _flag("spin_wait", None, "a rank waiting on the node's shared-memory flags spins for a while before it yields "
+          "its core (1) or yields at once (0); auto: spin where the node's ranks have a core each and Open MPI was "
+          "not told that the cores are shared (`OMPI_MCA_mpi_yield_when_idle=1`: several nodes' ranks on the "
+          "same cores, as in the test cluster, where spinning held a 1 KiB hierarchical all-reduce to ~2 ms)"),
     _size("shm_streaming_bytes", 48 * MiB, 0, "zero-copy all-reduces larger than this (all local slots together) "
           "write results with streaming stores"),
     Setting("fusion_threshold", "size", 4 * MiB, "gradient bucket size of `DistributedOptimizer`; 0: one bucket "

@@ -331,7 +331,7 @@ ALGORITHMS = ("auto", "ring", "native", "shm", "hierarchical")
 # Across nodes (2 namespace "nodes" x 2 ranks on 2 cores, TCP over veth, docs/performance.md)
 # MPI_Allreduce leads below CROSS_NODE_RING_BYTES; the ring ties it there and leads from 1 MiB
 # (1.5-2.6x); the hierarchical path (1/local_size of the data crosses the network, but
-# node-wide synchronisations on every call: 0.4-0.5x MPI at 256 KiB, 0.7-2.0x at 1 MiB from run
+# node-wide synchronisations on every call: 1.0-1.1x MPI at 256 KiB, 1.1-1.4x at 1 MiB from run
 # to run) from CROSS_NODE_HIERARCHICAL_BYTES, where it leads (1.8-2.8x; with the data already in
 # a shared buffer, zero-copy, the gradient buckets: 2.3-3.6x); both thresholds are
 # settings (HPCTRAIN_CROSS_NODE_RING_BYTES, HPCTRAIN_CROSS_NODE_HIERARCHICAL_BYTES): re-measure
