@@ -306,6 +306,36 @@ def test_shared_buffer_across_nodes(world, algorithm):
         comm.free_shared_buffer(sb16)
 
 
+@pytest.mark.parametrize("checks", [True, False])
+def test_a_shared_buffer_leaves_small_private_all_reduces_on_the_lean_path(world, checks, monkeypatch):
+    """With a zero-copy buffer on the group (the optimizer's buckets), a small private array
+    still takes the lean path (the data on the check's messages, or MPI_Allreduce bound once):
+    no executor call; an all-reduce on the buffer's own memory still takes the shared route."""
+    from hpctrain.comm import collectives
+
+    if len(layout()) < 2:
+        pytest.skip("the check runs over MPI, with the data on it, only across nodes")
+    ran = []
+    real = collectives._execute
+    monkeypatch.setattr(collectives, "_execute", lambda g, route, *a, **k: ran.append(route) or real(g, route, *a, **k))
+    sbuf = comm.shared_buffer(4096, "float32")
+    comm.set_checks(checks)
+    try:
+        for _ in range(3):  # the first call fills the group's route cache
+            x = rank_data(256, "float32", world.rank)
+            comm.allreduce_(x)
+            check(x, reference(256, world.rank, "sum"), "float32", "sum", f"private 1 KiB beside a shared buffer")
+        assert ran[1:] == [], f"a private 1 KiB all-reduce left the lean path: {ran}"
+        ran.clear()
+        sbuf.array[:256] = rank_data(256, "float32", world.rank)
+        comm.allreduce_(sbuf.array[:256])
+        check(sbuf.array[:256], reference(256, world.rank, "sum"), "float32", "sum", "shared 1 KiB")
+        assert ran == [collectives._route(comm.world(), 1024, "float32", "auto", True)], ran
+    finally:
+        comm.set_checks(True)
+        comm.free_shared_buffer(sbuf)
+
+
 # --------------------------------------------------------------------------- sub-groups across nodes
 def test_groups_of_one_rank_per_node(world):
     # Ranks with the same local rank, one per node: a group spanning every node.
