@@ -9,7 +9,8 @@ cache-resident lines between the cores slows ~4× and the same call runs 0.3× w
 is right in both, so ``auto`` measures.
 
 How: the group's local rank 0 keeps, per message-size class, an estimate of each candidate's
-time (a moving average of its own timings) and picks the best; now and then it gives another
+time (the median of its last trial's timings, then, while it runs, a moving average) and picks
+the best; now and then it gives another
 candidate a short trial again, more rarely the worse that one was last time and the more
 trials in a row it has lost (the interval doubles with each, up to EXPLORE_MAX), so a change
 of state is seen within a few hundred calls at most and exploring costs a few per cent at
@@ -37,8 +38,11 @@ from .. import settings
 # TRIAL_CALLS calls in a row.
 EXPLORE_EVERY = 32
 EXPLORE_MAX = 512
-# Single calls of 1 MiB vary by ±20% here: a trial's estimate is the mean of its calls after
-# the first WARM_CALLS.
+# Single calls of 1 MiB vary by ±20% here, and every few dozen calls one takes 2-3x (more across
+# the namespace nodes, whose TCP runs on the same cores): a trial's estimate is the median of
+# its calls after the first WARM_CALLS, so that one such call does not decide it. (The mean
+# had put the ring, the fastest at 1 MiB across nodes, at 3.0 ms against its usual 1.0-1.1 ms,
+# and `auto` ran MPI_Allreduce, 1.4-1.6x slower, for the rest of a benchmark row.)
 TRIAL_CALLS = 5
 # Calls after a switch of algorithm that are run but not believed: they pay for the switch.
 # Measured with 2 ranks at 2 MiB after ~100 calls of the piped path: MPI_Allreduce's first
@@ -56,7 +60,8 @@ ABANDON_RATIO = 4.0
 # A trial whose first believed call (after WARM_CALLS) takes more than this × the best's
 # estimate ends there: a candidate clearly slower than the best (the piped path at 4 MiB, 2
 # ranks) would otherwise cost auto a few percent through its full trials. A candidate cut by
-# one noisy call (single calls vary ±20%) is tried again after the usual interval.
+# one noisy call (single calls vary ±20%) is tried again as one CUT_RATIO slower would be, however
+# slow that call was; each further loss in a row doubles the interval, as for any loser.
 CUT_RATIO = 1.25
 # The running best gives way only to a candidate estimated this much faster: two candidates
 # within the noise of each other (1 MiB, 2 ranks: the piped path and MPI_Allreduce) otherwise
@@ -84,7 +89,8 @@ class Arm:
     chosen: int = 0  # calls that ran it (reported through ``record``)
     last_trial: int = -1  # call index where its last trial began
     fresh: bool = True  # the next kept timing replaces the estimate (a new trial)
-    kept: int = 0  # timings averaged into the estimate in the current trial
+    kept: int = 0  # timings behind the estimate in the current trial
+    samples: List[float] = field(default_factory=list)  # those timings (a trial's median)
     losses: int = 0  # its trials lost in a row against the same best
 
 
@@ -169,7 +175,11 @@ class Tuner:
             loser.losses = loser.losses + 1 if sc.trial != best else 0
             sc.trial = ""
             arm = sc.arms[challenger]
-            sc.countdown = self.interval(sc.arms[best].estimate, arm.estimate, arm.losses) - 1
+            best_estimate = sc.arms[best].estimate
+            # a trial cut after one believed call says "slower by CUT_RATIO at least", not by how
+            # much: a 3x call of the host's other work would otherwise hold it off 9x as long
+            other = min(arm.estimate, CUT_RATIO * best_estimate) if arm.kept == 1 else arm.estimate
+            sc.countdown = self.interval(best_estimate, other, arm.losses) - 1
             return self._ran(sc, best)
         return self._start_trial(sc, challenger)
 
@@ -217,13 +227,14 @@ class Tuner:
             if sc.trial_left and sc.best and seconds > ABANDON_RATIO * sc.arms[sc.best].estimate:
                 # more than a switch can cost: end the trial here, with this as its estimate
                 sc.trial_left = 0
-                arm.estimate, arm.fresh = seconds, False
+                arm.estimate, arm.fresh, arm.kept, arm.samples = seconds, False, 0, [seconds]
             return
         if arm.fresh:
-            arm.estimate, arm.fresh, arm.kept = seconds, False, 1
-        elif sc.trial_left or name == sc.trial:  # within a trial: the mean of its timings
+            arm.estimate, arm.fresh, arm.kept, arm.samples = seconds, False, 1, [seconds]
+        elif sc.trial_left or name == sc.trial:  # within a trial: the median of its timings
             arm.kept += 1
-            arm.estimate += (seconds - arm.estimate) / arm.kept
+            arm.samples.append(seconds)
+            arm.estimate = _median(arm.samples)
         else:  # the running best: a moving average that follows changes of state
             # One call counts at most STEP_LIMIT x the average: a lone hiccup moves the
             # average by a few per cent, a real change of state within a few calls.
@@ -302,6 +313,12 @@ class Tuner:
             sc.warming = WARM_CALLS
         sc.previous = name
         return name
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def size_class(nbytes: int) -> int:
