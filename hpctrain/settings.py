@@ -254,8 +254,8 @@ DECLARED: Tuple[Setting, ...] = (
           "write results with streaming stores"),
     Setting("fusion_threshold", "size", 4 * MiB, "gradient bucket size of `DistributedOptimizer`; 0: one bucket "
             "per parameter", minimum=0, zero="gives one bucket per parameter"),
-    _flag("shared_buckets", True, "on one node, keep DistributedOptimizer's buckets in the MPI shared window "
-          "(zero-copy all-reduce); 0: private memory"),
+    _flag("shared_buckets", True, "keep DistributedOptimizer's buckets in each node's MPI shared window "
+          "(zero-copy all-reduce; across nodes the hierarchical path); 0: private memory"),
     _flag("overlap", None, "start each gradient bucket's all-reduce during backward (1) or all in `step()` (0); "
           "auto: overlap where the node has spare cores for the communication thread"),
     _flag("cuda_aware_mpi", None, "CUDA tensors to MPI as they are (1) or staged through host memory (0); auto: ask "

@@ -22,6 +22,8 @@ SUITES = {
     # the same with every rank in the recursive doubling (HPCTRAIN_CHECK_SCHEDULE=flat)
     "agreement_flat": ("tests/mpi/test_comm_agreement_mpi.py", [], {"HPCTRAIN_CHECK_SCHEDULE": "flat"}),
     "torch_optimizer_equivalence": ("tests/mpi/test_torch_optimizer.py", ["-k", "equivalence"]),
+    # gradient buckets in each node's shared window: in-band small ones, hierarchical large ones
+    "torch_shared_buckets": ("tests/mpi/test_torch_shared_buckets.py", []),
 }
 
 

@@ -487,7 +487,7 @@ def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: b
     agreement header.
     """
     algo = choose_algorithm(nbytes, topology, requested, shared, small_shm, cross_node)
-    if requested == "auto" and not shared and 0 < nbytes <= inband and topology.size > 1:
+    if requested == "auto" and 0 < nbytes <= inband and topology.size > 1:  # wherever the data lies
         return Route("native", "native", auto=True)
     if requested == "auto" and autotune and not shared:
         candidates = tuning_candidates(nbytes, topology, small_shm, pipes, cross_node)

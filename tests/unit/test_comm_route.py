@@ -31,8 +31,9 @@ def test_across_nodes_up_to_the_in_band_limit_auto_rides_on_the_check_instead_of
     above = r(limit + 8, TWO_NODES, small_shm=0, autotune=autotune, inband=limit)
     assert above.kind == ("tuned" if autotune else "ring")  # from the limit on as before
     assert r(limit, TWO_NODES, "ring", small_shm=0, autotune=autotune, inband=limit) == Route("ring", "ring")
-    shared = r(limit, TWO_NODES, small_shm=0, shared=True, inband=limit)
-    assert shared == r(limit, TWO_NODES, small_shm=0, shared=True) and shared.kind == "ring"  # a shared buffer: as before
+    # a shared buffer (zero-copy gradient buckets across nodes) too: the data is copied onto the check
+    assert r(limit, TWO_NODES, small_shm=0, shared=True, inband=limit) == native
+    assert r(limit, TWO_NODES, small_shm=0, shared=True).kind == "ring"  # without in-band room: as before
     assert r(0, TWO_NODES, small_shm=0, inband=limit).kind == "local"
     # without in-band room (the check off for the dtype: bfloat16, bool; or the setting 0) as before
     assert r(limit, TWO_NODES, small_shm=0, autotune=True).kind == "tuned"
