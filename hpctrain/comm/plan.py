@@ -487,7 +487,9 @@ def route(nbytes: int, topology: Topology, requested: str = "auto", *, shared: b
     agreement header.
     """
     algo = choose_algorithm(nbytes, topology, requested, shared, small_shm, cross_node)
-    if requested == "auto" and 0 < nbytes <= inband and topology.size > 1:  # wherever the data lies
+    # Across nodes a shared buffer's data rides on the check too (the gradient buckets: measured
+    # there); on one node (no flags) it keeps the zero-copy path it had.
+    if requested == "auto" and 0 < nbytes <= inband and topology.size > 1 and not (shared and topology.single_node):
         return Route("native", "native", auto=True)
     if requested == "auto" and autotune and not shared:
         candidates = tuning_candidates(nbytes, topology, small_shm, pipes, cross_node)

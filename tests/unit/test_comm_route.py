@@ -34,6 +34,8 @@ def test_across_nodes_up_to_the_in_band_limit_auto_rides_on_the_check_instead_of
     # a shared buffer (zero-copy gradient buckets across nodes) too: the data is copied onto the check
     assert r(limit, TWO_NODES, small_shm=0, shared=True, inband=limit) == native
     assert r(limit, TWO_NODES, small_shm=0, shared=True).kind == "ring"  # without in-band room: as before
+    # one node without flags (the check over MPI): a shared buffer stays zero-copy
+    assert r(plan.SHARED_SMALL_BYTES, NODE2, small_shm=0, shared=True, inband=limit) == Route("zero-copy", "shm")
     assert r(0, TWO_NODES, small_shm=0, inband=limit).kind == "local"
     # without in-band room (the check off for the dtype: bfloat16, bool; or the setting 0) as before
     assert r(limit, TWO_NODES, small_shm=0, autotune=True).kind == "tuned"
