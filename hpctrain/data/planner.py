@@ -218,6 +218,19 @@ def _expand(blocks: np.ndarray) -> np.ndarray:
     return starts + np.arange(total, dtype=np.int64)
 
 
+def _expand_slice(blocks: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """``_expand(blocks)[start:stop]``, expanding only the blocks that overlap it: a rank
+    never holds the whole epoch's order (8 bytes per sample of the data set)."""
+    ends = np.cumsum(blocks[:, 1] - blocks[:, 0])
+    stop = min(int(stop), int(ends[-1]) if len(ends) else 0)
+    if stop <= start:
+        return np.zeros(0, np.int64)
+    first = int(np.searchsorted(ends, start, side="right"))
+    last = int(np.searchsorted(ends, stop, side="left")) + 1
+    skip = start - (int(ends[first - 1]) if first else 0)
+    return _expand(blocks[first:last])[skip:skip + stop - start]
+
+
 def _contiguous(counts, world_size, rank, sizes, seed, epoch, drop_last, shuffle, block_rows):
     n = int(sum(counts))
     g = sum(sizes)
@@ -225,19 +238,18 @@ def _contiguous(counts, world_size, rank, sizes, seed, epoch, drop_last, shuffle
     if shuffle:
         rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0xB10C])
         blocks = blocks[rng.permutation(len(blocks))]
-    order = _expand(blocks)
     mine = sizes[rank]
     if drop_last:
         steps = n // g
         start = steps * sum(sizes[:rank])
-        idx = order[start:start + steps * mine]
+        idx = _expand_slice(blocks, start, start + steps * mine)
         return steps, idx, np.ones(idx.shape, np.bool_)
     steps = -(-n // g)
     # Spread the padding: rank r gets real[r] real samples (proportional to its batch size)
     # and fills the rest of its steps*mine slots with repeats of its own first samples.
     real = apportion(n, sizes)
     start = sum(real[:rank])
-    own = order[start:start + real[rank]]
+    own = _expand_slice(blocks, start, start + real[rank])
     slots = steps * mine
     idx = own[np.arange(slots) % len(own)]
     mask = np.arange(slots) < len(own)

@@ -283,3 +283,27 @@ def test_stratified_shuffles_per_epoch_and_reads_blocks():
     # Without shuffling: file order, the deal fixed.
     c = plan_all([1000], 3, 16, shuffle=False, **kw)
     assert all(np.all(np.diff(p.indices[p.mask]) > 0) for p in c)
+
+
+def test_a_rank_expands_only_the_blocks_of_its_share():
+    """_expand_slice(blocks, a, b) equals the slice of the whole expanded order, for every
+    cut (inside a block, on a block edge, past the end, empty), and expands no block that
+    lies outside the share."""
+    from hpctrain.data import planner as P
+
+    rng = np.random.default_rng(1)
+    blocks = P._blocks([700, 333, 1, 90], [64, 17, 5, 9])
+    blocks = blocks[rng.permutation(len(blocks))]
+    whole = P._expand(blocks)
+    cuts = [0, 1, 63, 64, 65, 500, len(whole) - 1, len(whole), len(whole) + 5]
+    for a in cuts:
+        for b in cuts:
+            assert np.array_equal(P._expand_slice(blocks, a, b), whole[a:b]), (a, b)
+    expanded = []
+    real = P._expand
+    try:
+        P._expand = lambda part: expanded.append(int((part[:, 1] - part[:, 0]).sum())) or real(part)
+        P._expand_slice(blocks, 100, 164)
+    finally:
+        P._expand = real
+    assert expanded and expanded[0] <= 64 + 2 * 64  # the share's blocks, not all 1124 samples
