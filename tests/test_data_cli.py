@@ -99,7 +99,7 @@ def test_bench_data_runs(tmp_path):
     assert {(x["compression"], x["method"]) for x in records} == {
         (c, m) for c in ("none", "lzf")
         for m in ("raw 64 MiB slabs", "loader, shuffle=window", "loader, shuffle=block", "naive dset[i]",
-                  "loader, shuffle=window, memory_map=False")
+                  "loader, shuffle=window, memory_map=False", "loader, shuffle=window, through_hdf5")
     }
     assert all(x["samples_per_s"] > 0 and x["cpu_s_per_GB"] > 0 for x in records)
     assert "| CPU s/GB |" in r.stdout

@@ -20,7 +20,7 @@ How it reads (the design that makes it fast):
    the offsets of their bytes are found once); lzf/gzip/shuffle-filtered keys and keys
    compressed with hdf5plugin's filters (Blosc, bitshuffle/LZ4, Zstd, ...) as stored chunks
    decoded here (:mod:`hpctrain.data.chunked`, :mod:`hpctrain.data.plugins`); anything else (other filters,
-   ``memory_map=False``, files opened with ``mpio``) with one ``H5Dread`` per run. The
+   ``through_hdf5=True``, files opened with ``mpio``) with one ``H5Dread`` per run. The
    ``preadv`` reads, chunk decodes and gathers are small GIL-free tasks that the prefetch
    thread and a waiting consumer run together (two cores decompress at once).
 4. Batches are views of the window arrays (no copy); dtypes are cast and transforms applied
@@ -132,9 +132,15 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             a contiguous block (default 4 MiB, rounded up to whole HDF5 chunks). A window mixes about
             ``window_bytes / block_bytes`` blocks from different places of the data.
         driver: ``"auto"``, ``"mpio"`` or ``"serial"``.
-        memory_map: read keys of serially opened files around HDF5 (default True):
-            uncompressed ones with ``preadv`` at their file offsets, lzf/gzip ones as stored
-            chunks decoded in several threads; False reads everything through HDF5.
+        memory_map: also map files read-only (default True), to gather scattered single rows
+            (a strided policy) from the map; False maps nothing: those rows are read as
+            whole runs, and a file truncated while it is read is a read error, never a
+            SIGBUS. Shuffled windows and blocks read at the same speed either way.
+        through_hdf5: read every key with ``H5Dread`` (default False: keys of serially
+            opened files are read around HDF5, uncompressed ones with ``preadv`` at their
+            file offsets, compressed ones as stored chunks decoded in several threads, each
+            checked against an HDF5 read of a few rows). The slow path: h5py holds the GIL
+            for every read.
         mask_key, index_key: names of the padding mask and the global-id entries.
     """
 
@@ -160,6 +166,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         block_bytes: int = 4 << 20,
         driver: Optional[str] = "auto",
         memory_map: bool = True,
+        through_hdf5: bool = False,
         mask_key: str = "mask",
         index_key: str = "index",
     ) -> None:
@@ -203,6 +210,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.prefetch = int(prefetch)
         self.driver = driver
         self.memory_map = bool(memory_map)
+        self.through_hdf5 = bool(through_hdf5)
         choose_driver(driver, has_mpio(), self.world_size, False)  # validate early
         self.mask_key, self.index_key = mask_key, index_key
         self.epoch = 0
@@ -350,7 +358,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
     def _readers(self, i: int) -> Dict[str, Reader]:
         """How each key of file ``i`` is read around HDF5: a :class:`MappedKey`
         (uncompressed), a :class:`ChunkedKey` (compressed, decoded here), or None (through
-        HDF5: other filters, ``memory_map=False``, mpio files)."""
+        HDF5: other filters, ``through_hdf5=True``, mpio files)."""
         found = self._maps.get(i)
         if found is not None and self._pid == os.getpid():
             return found
@@ -358,8 +366,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         found = {k: None for k in self.keys}
         # The driver we opened with (h5py's File.driver would duplicate an mpio file's
         # communicator: a collective call, not to be made by one rank's prefetch thread).
-        if self.memory_map and self._drivers.get(i) is None:
-            mm = self._mmaps.get(i) or open_map(self.paths[i])
+        if not self.through_hdf5 and self._drivers.get(i) is None:
+            mm = self._mmaps.get(i) or open_map(self.paths[i], self.memory_map)
             if mm is not None:
                 self._mmaps[i] = mm
                 for key in self.keys:
@@ -424,7 +432,8 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         ``dest`` maps run rows to window rows), other keys read the runs into the reused
         ``staging`` buffers and gather them into plan order afterwards. Uncompressed keys
         whose ids are sparse (strided policy: the runs would hold several times the rows
-        needed) are gathered from the file map instead.
+        needed) are gathered from the file map instead (read as runs into ``staging`` and
+        gathered from there where files are not mapped).
         """
         arrays = pool.take(len(ids))
         if not len(ids):
@@ -467,11 +476,11 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
                 hdf5_keys.append(key)
                 continue
             mapped = all(isinstance(r, MappedKey) for r in found)
-            if mapped and (direct or sparse):
+            if mapped and (direct or sparse) and all(r.mapped for r in found):
                 which = files if len(touched) == 1 else np.searchsorted(np.array(touched), files)
                 reads += gather_tasks(found, which, rows, arrays[key])
                 continue
-            if mapped and SCATTER:
+            if mapped and SCATTER and not (direct or sparse):
                 reads += packed([call for (fi, r0, r1), at in zip(runs, where.tolist())
                                  for call in readers[fi][key].scatter_calls(r0, r1, arrays[key], dest[at:at + r1 - r0])])
                 if len(repeats):

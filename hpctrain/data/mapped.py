@@ -1,13 +1,16 @@
-"""Rows of uncompressed HDF5 datasets read straight from a memory map of the file.
+"""Rows of uncompressed HDF5 datasets read straight from the file, around HDF5.
 
 HDF5 stores an unfiltered dataset as plain bytes: one contiguous extent, or whole chunks at
 known file offsets. :func:`map_dataset` finds those offsets once (``H5Dget_offset`` /
-``H5Dchunk_iter``) and describes every sample row as a slice of a read-only ``mmap`` of the
-file. A window of samples is then copied from the page cache into the loader's arrays once,
-in plan order, without the GIL: stretches of consecutive rows with one ``preadv`` straight
-into place (as a raw slab read does), shuffled rows with one ``numpy.take`` per stretch of
-samples that share a view of the map (``H5Dread`` into a staging buffer followed by an
-in-memory shuffle copies every byte twice).
+``H5Dchunk_iter``) and describes every sample row as a byte range of the file. A window of
+samples is then copied from the page cache into the loader's arrays once, in plan order,
+without the GIL: stretches of consecutive rows with one ``preadv`` straight into place (as a
+raw slab read does), shuffled blocks with ``preadv`` calls that scatter each row to its
+place (``H5Dread`` into a staging buffer followed by an in-memory shuffle copies every byte
+twice). Scattered single rows (a strided policy, padding) are gathered with ``numpy.take``
+from a read-only ``mmap`` of the file where one is allowed (:class:`MappedFile` with a map),
+otherwise read as whole runs and gathered in memory: without a map a file truncated while it
+is read is a read error, never a ``SIGBUS``.
 
 Only datasets whose rows are whole byte ranges of the file are mapped: contiguous layout
 without external storage, or chunked layout without filters whose chunks span the full
@@ -28,25 +31,29 @@ import h5py
 import numpy as np
 from h5py import h5d
 
+from hpctrain.data.errors import DataError
 from hpctrain.data.h5files import read_error
 
 MAX_CHUNKS_WITHOUT_ITER = 100_000  # H5Dget_chunk_info(i) is linear in i: quadratic beyond
 
 
 class MappedFile:
-    """A read-only descriptor and shared map of a whole file (pages map in on first use)."""
+    """A read-only descriptor of a whole file and, unless maps are not wanted, a shared
+    read-only map of it (pages map in on first use); ``size`` is the file's size at opening."""
 
-    def __init__(self, fd: int, mm: mmap.mmap, path: str = "?") -> None:
+    def __init__(self, fd: int, mm: Optional[mmap.mmap], path: str = "?", size: Optional[int] = None) -> None:
         self.fd = fd
         self.mm = mm
         self.path = path
+        self.size = len(mm) if size is None and mm is not None else int(size or 0)
 
     def __len__(self) -> int:
-        return len(self.mm)
+        return self.size
 
     def close(self) -> None:
         try:
-            self.mm.close()
+            if self.mm is not None:
+                self.mm.close()
         except BufferError:  # a view is still alive: unmapped when it goes
             pass
         if self.fd >= 0:
@@ -54,15 +61,17 @@ class MappedFile:
             self.fd = -1
 
 
-def open_map(path: str) -> Optional[MappedFile]:
-    """Map the file read-only, or None (empty file, no mmap support)."""
+def open_map(path: str, memory_map: bool = True) -> Optional[MappedFile]:
+    """Open the file read-only, and map it if ``memory_map``; None where that fails (an
+    empty file, no mmap support)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size > 0:
-            return MappedFile(fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ), path)
+        size = os.fstat(fd).st_size
+        if size > 0:
+            return MappedFile(fd, mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if memory_map else None, path, size)
     except (OSError, ValueError):
         pass
     os.close(fd)
@@ -154,9 +163,10 @@ def segments_of(dset: h5py.Dataset) -> Tuple[Optional[List[Segment]], str]:
 
 
 class MappedKey:
-    """One dataset's rows as views of a file map, grouped so that one ``numpy.take`` serves
-    every segment of a group: segments whose byte offsets agree modulo the row size lie on
-    one grid of rows (a ``(rows, row_bytes)`` ``uint8`` view spanning them all)."""
+    """One dataset's rows as byte ranges of the file, grouped so that one ``numpy.take``
+    serves every segment of a group: segments whose byte offsets agree modulo the row size
+    lie on one grid of rows (with a map, a ``(rows, row_bytes)`` ``uint8`` view spanning them
+    all; without one, ``views`` is empty and rows are read with ``preadv`` only)."""
 
     def __init__(self, segs: Sequence[Segment], row_bytes: int, mf: MappedFile, key: str = "?") -> None:
         self.row_bytes = row_bytes
@@ -173,11 +183,12 @@ class MappedKey:
         for members in groups.values():
             start = min(s.offset for s in members)
             end = max(s.offset + s.rows * row_bytes for s in members)
-            if end > len(mm):
-                raise ValueError(f"dataset bytes end at {end}, past the end of the file ({len(mm)})")
-            g = len(self.views)
+            if end > len(mf):
+                raise ValueError(f"dataset bytes end at {end}, past the end of the file ({len(mf)})")
+            g = len(self.view_offset)
             self.view_offset.append(start)
-            self.views.append(np.ndarray(((end - start) // row_bytes, row_bytes), np.uint8, buffer=mm, offset=start))
+            if mm is not None:
+                self.views.append(np.ndarray(((end - start) // row_bytes, row_bytes), np.uint8, buffer=mm, offset=start))
             for s in members:
                 seg_group[s.row] = g
                 seg_vrow[s.row] = (s.offset - start) // row_bytes
@@ -192,6 +203,18 @@ class MappedKey:
             return np.zeros(len(rows), np.int64), rows + self.seg_vrow[0]
         s = np.searchsorted(self.seg_row, rows, side="right") - 1
         return self.seg_group[s], self.seg_vrow[s] + (rows - self.seg_row[s])
+
+    @property
+    def mapped(self) -> bool:
+        """Whether rows can be gathered from a map of the file (:func:`gather_tasks`)."""
+        return bool(self.views)
+
+    def read_row(self, row: int) -> np.ndarray:
+        """Row ``row``'s bytes, read with ``preadv`` (no map needed)."""
+        g, v = self.locate(np.array([row], np.int64))
+        out = np.empty(self.row_bytes, np.uint8)
+        self._guarded(pread_into, self.fd, out, self.view_offset[int(g[0])] + int(v[0]) * self.row_bytes)
+        return out
 
     def pieces(self, lo: int, hi: int) -> Iterator[Tuple[int, int, int]]:
         """Rows ``[lo, hi)`` as ``(a, b, file offset of row a)`` pieces stored back to back,
@@ -252,9 +275,14 @@ def map_dataset(dset: h5py.Dataset, mf: MappedFile) -> Tuple[Optional[MappedKey]
     group, vrow = mk.locate(ids)
     for r, g, v in zip(probe, group, vrow):
         expect = np.ascontiguousarray(dset[r]).view(np.uint8).reshape(-1)
-        if not np.array_equal(mk.views[int(g)][int(v)], expect):
+        try:
+            got = mk.views[int(g)][int(v)] if mk.mapped else mk.read_row(r)
+        except DataError as exc:
             mk.release()
-            return None, f"mapped bytes of row {r} differ from HDF5's"
+            return None, f"reading row {r} failed ({exc})"
+        if not np.array_equal(got, expect):
+            mk.release()
+            return None, f"stored bytes of row {r} differ from HDF5's"
     return mk, ""
 
 
@@ -383,9 +411,12 @@ def gather_tasks(maps: Sequence[MappedKey], which: np.ndarray, rows: np.ndarray,
     The window is cut into stretches of consecutive samples that lie in one view of a map.
     A stretch of consecutive rows (block order, file order) is read with ``preadv``
     straight into ``out``: a raw read, no page mapped. Any other stretch (shuffled rows,
-    padding repeats) is a ``numpy.take`` from the map. Stretches are grouped (or split)
-    into tasks of about :data:`TASK_BYTES`.
+    padding repeats) is a ``numpy.take`` from the map, so every key needs one
+    (:attr:`MappedKey.mapped`). Stretches are grouped (or split) into tasks of about
+    :data:`TASK_BYTES`.
     """
+    if not all(mk.mapped for mk in maps):
+        raise ValueError("gather_tasks needs keys read from a file map (memory_map=True)")
     n = len(rows)
     if n == 0:
         return []

@@ -83,7 +83,7 @@ def test_loader_batches_equal_hdf5_reads(tmp_path, name, shuffle):
         kw = dict(rank=1, world_size=2, seed=4, shuffle=shuffle, policy=policy, window_bytes=3000,
                   block_bytes=500, prefetch=1)
         fast = HDF5Dataset(paths, ["x", "y"], 16, **kw)
-        slow = HDF5Dataset(paths, ["x", "y"], 16, memory_map=False, **kw)
+        slow = HDF5Dataset(paths, ["x", "y"], 16, through_hdf5=True, **kw)
         fast.set_epoch(1)
         slow.set_epoch(1)
         n = 0

@@ -38,7 +38,7 @@ def test_iter_from_equals_the_tail_of_a_full_epoch(path, shuffle, prefetch):
 
 
 def test_iter_from_skips_reading_earlier_windows(path, monkeypatch):
-    ds = HDF5Dataset(path, ["x", "y"], 32, rank=0, world_size=1, seed=0, prefetch=0, memory_map=False,
+    ds = HDF5Dataset(path, ["x", "y"], 32, rank=0, world_size=1, seed=0, prefetch=0, through_hdf5=True,
                      window_bytes=8 * 32 * 40 * 3)
     read = []
     original = ds._read_window

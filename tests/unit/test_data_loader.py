@@ -285,7 +285,7 @@ def test_strided_block_mode_reads_few_slabs(three_files, monkeypatch):
     monkeypatch.setattr(L, "_read_union", lambda d, runs, out: (calls.append(len(runs)), real(d, runs, out)))
     paths, n = three_files
     ds = HDF5Dataset(paths, ["x", "y"], 4, rank=1, world_size=3, policy="strided", shuffle="block",
-                     memory_map=False)  # the HDF5 read path (uncompressed keys are mapped otherwise)
+                     through_hdf5=True)  # the HDF5 read path (uncompressed keys are read around it otherwise)
     ids, mask = collect(ds)
     assert calls and sum(calls) < len(ids) / 4  # covering slabs, not one read per sample
 

@@ -111,9 +111,11 @@ def test_layouts_that_do_not_map(tmp_path):
             assert mk is None and why in reason, (key, reason)
 
 
+@pytest.mark.parametrize("memory_map", [True, False])
 @pytest.mark.parametrize("shuffle", [True, "block", False])
 @pytest.mark.parametrize("policy", ["contiguous", "strided"])
-def test_loader_same_batches_mapped_or_not(tmp_path, shuffle, policy):
+def test_loader_same_batches_around_hdf5_or_through_it(tmp_path, shuffle, policy, memory_map):
+    """Read around HDF5 (with a file map or without one) or through it: the same batches."""
     paths = [interleaved(tmp_path / "p0.h5")]  # 2 segments in 2 views per key
     x, y = rows(130, start=20000, features=7)
     with h5py.File(tmp_path / "p1.h5", "w") as f:  # one key mapped, one compressed
@@ -124,8 +126,8 @@ def test_loader_same_batches_mapped_or_not(tmp_path, shuffle, policy):
     for rank in range(2):
         kw = dict(rank=rank, world_size=2, seed=3, shuffle=shuffle, policy=policy, window_bytes=20000,
                   block_bytes=4000, drop_last=False, prefetch=1)
-        mapped = HDF5Dataset(paths, ["x", "y"], 12, **kw)
-        plain = HDF5Dataset(paths, ["x", "y"], 12, memory_map=False, **kw)
+        mapped = HDF5Dataset(paths, ["x", "y"], 12, memory_map=memory_map, **kw)
+        plain = HDF5Dataset(paths, ["x", "y"], 12, through_hdf5=True, **kw)
         mapped.set_epoch(2)
         plain.set_epoch(2)
         n = 0
@@ -140,8 +142,11 @@ def test_loader_same_batches_mapped_or_not(tmp_path, shuffle, policy):
             assert isinstance(m["x"], MappedKey)
             lzf = ChunkedKey if codecs._codecs is not None else type(None)  # decoded here, or through HDF5
             assert isinstance(m["y"], lzf if i == 1 else MappedKey), (i, m["y"])
+            assert m["x"].mapped == memory_map
+        assert all((mf.mm is not None) == memory_map for mf in mapped._mmaps.values())
         if 0 in mapped._maps:
-            assert len(mapped._maps[0]["x"].views) == 2
+            assert len(mapped._maps[0]["x"].view_offset) == 2
+            assert len(mapped._maps[0]["x"].views) == (2 if memory_map else 0)
         assert all(m[k] is None for m in plain._maps.values() for k in m)
         mapped.close()
         plain.close()
@@ -248,3 +253,42 @@ def test_copy_job_runs_phases_in_order_across_threads():
     CopyJob([]).wait()  # nothing to do: returns at once
     CopyJob([], [task("only-later", 0.0)]).wait()
     assert log[-1] == "only-later"
+
+
+def test_without_a_map_a_truncated_file_is_a_read_error_naming_it(tmp_path):
+    """memory_map=False: no page of the file is mapped, so a file cut short while a loader
+    reads it raises an error naming the file and key (a mapped page would be SIGBUS)."""
+    import os
+
+    for k, (shuffle, policy) in enumerate((("window", "contiguous"), ("block", "contiguous"), ("window", "strided"))):
+        p = interleaved(tmp_path / f"t{k}.h5", 6000, chunk=128, slab=1000)
+        ds = HDF5Dataset(p, ["x", "y"], 10, rank=0, world_size=2, shuffle=shuffle, policy=policy, prefetch=1,
+                         memory_map=False, window_bytes=16384, block_bytes=4096)
+        it = iter(ds)
+        next(it)
+        assert ds._mmaps and all(mf.mm is None for mf in ds._mmaps.values())
+        with open(p, "r+b") as f:
+            f.truncate(os.path.getsize(p) // 3)
+        with pytest.raises(CorruptFileError) as info:
+            for _ in it:
+                pass
+        assert p in str(info.value), (shuffle, policy)
+        ds.close()
+
+
+def test_map_dataset_without_a_map_reads_rows_with_preadv(tmp_path):
+    import os
+
+    from hpctrain.data.mapped import gather_tasks
+
+    p = interleaved(tmp_path / "n.h5", 3000, chunk=128, slab=1000)
+    mf = open_map(p, memory_map=False)
+    assert mf.mm is None and len(mf) == os.path.getsize(p)
+    with h5py.File(p, "r") as f:
+        mk, why = map_dataset(f["x"], mf)
+        assert mk is not None and not mk.mapped, why
+        for r in (0, 1234, 2999):
+            assert np.array_equal(mk.read_row(r), np.ascontiguousarray(f["x"][r]).view(np.uint8))
+        with pytest.raises(ValueError, match="memory_map"):
+            gather_tasks([mk], np.zeros(2, np.int64), np.array([0, 5]), np.empty((2, 7), np.float32))
+    mf.close()
