@@ -83,6 +83,12 @@ def batch(tmp_path_factory) -> Dict[str, tuple]:
         jobs[f"allreduce-{launcher}"] = (submit("cpu-mpi", d, "--launcher", launcher, "--nodes", "1",
                                                 "--tasks-per-node", "2", "--job-name", f"ar-{launcher}",
                                                 command=check), d)
+    # A rank calls MPI_Abort(7) under the mpirun launcher: the job fails with that code.
+    d = base / "abort-mpirun"
+    jobs["abort-mpirun"] = (submit("cpu-mpi", d, "--launcher", "mpirun", "--nodes", "1", "--tasks-per-node", "2",
+                                   "--job-name", "abort-mpirun",
+                                   command=[PY, "-c", "import hpctrain.comm; from mpi4py import MPI; w = MPI.COMM_WORLD; "
+                                            "w.Abort(7) if w.rank == 1 else w.Barrier()"]), d)
     if importlib.util.find_spec("hpctrain.cli.selfcheck") is not None:
         d = base / "selfcheck"
         jobs["selfcheck"] = (submit("cpu-mpi", d, "--job-name", "selfcheck",
@@ -177,6 +183,17 @@ def test_cpu_template_allreduce(batch, launcher):
     assert "rank 1: launcher=" + launcher in text
     script = (d / f"ar-{launcher}.sbatch").read_text()
     assert ("srun --mpi=pmix" if launcher == "srun" else "mpirun -n") in script
+
+
+def test_an_abort_under_mpirun_fails_the_job_with_its_code(batch):
+    """The mpirun launcher runs under `hpctrain launch --exact`, which hands on mpirun's
+    output and exit status: the job ends FAILED with the code given to MPI_Abort."""
+    job, d = batch["abort-mpirun"]
+    info = finished(job, d)
+    text = logs(d, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "7:0", story(job, d, info)
+    assert "running: hpctrain launch --exact -- mpirun -n 2" in text, text
+    assert "MPI_ABORT was invoked on rank 1" in text and "job step finished with exit status 7" in text, text
 
 
 def test_elastic_job_loses_a_rank_and_completes(batch):

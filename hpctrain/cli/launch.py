@@ -24,6 +24,12 @@ a rank called ``MPI_Abort`` (Open MPI, MPICH), it should end the job within seco
 5's launcher was seen to stay, its ranks all gone, when ranks on two nodes aborted at once.
 ``$HPCTRAIN_LAUNCH_ABORT_GRACE`` seconds (20) after the report the launch stops mpiexec and
 everything under it and exits with the code given to ``MPI_Abort``, as mpiexec would have.
+
+``--exact -- mpirun -n N [flags] COMMAND…`` runs a launcher command line exactly as given
+(your cluster's ``mpirun``/``mpiexec`` and its flags; nothing found, nothing added, no ``-n``
+of ours) with only that abort guard around it: the sbatch templates' ``mpirun`` launcher runs
+this way. Signals (SIGTERM, SIGUSR1, SIGUSR2) then go to the launcher itself, which passes
+them on to the ranks on every node, as when it runs alone.
 """
 from __future__ import annotations
 
@@ -68,6 +74,7 @@ def launcher_flags(mpiexec: str) -> List[str]:
 LAUNCHER_NAMES = ("mpiexec", "mpirun", "orterun", "prterun", "prte", "prted", "orted", "hydra_pmi_proxy",
                   "mpiexec.hydra", "srun")
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)  # the stop signals of hpctrain.slurm.preempt
+TO_LAUNCHER = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # --exact: what mpirun passes on to every rank
 
 
 def is_launcher(name: str) -> bool:
@@ -129,16 +136,22 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="survive lost ranks: MPI fault tolerance on, HPCTRAIN_ELASTIC=1 (docs/elastic.md)")
     p.add_argument("--min-np", type=int, default=None, metavar="M",
                    help="with --elastic: end the job when fewer than M ranks are left (default 1)")
+    p.add_argument("--exact", action="store_true",
+                   help="the command after -- is a whole launcher command line (mpirun -n N ...): run it as "
+                        "given, with only the abort guard; signals go to the launcher")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command to run, after --")
     p.set_defaults(func=run, no_mpi=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    command = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else list(args.command)
+    # Only the separator goes: a "--" inside the command is the command's own.
+    command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
         raise SystemExit("hpctrain launch: nothing to run. example: hpctrain launch -n 2 -- hpctrain selfcheck")
     if args.np < 1:
         raise SystemExit(f"hpctrain launch: -n must be at least 1, got {args.np}")
+    if args.exact:
+        return run_exact(args, command)
     exe = args.mpiexec or find_mpiexec()
     from hpctrain.malloc_tuning import child_env
 
@@ -157,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("hpctrain launch: --min-np needs --elastic")
     argv = [exe, "-n", str(args.np), *flags, *command]
     return run_forwarding_signals(argv, env)
+
+
+def run_exact(args: argparse.Namespace, command: List[str]) -> int:
+    """``--exact``: ``command`` is the launcher's whole command line, run unchanged."""
+    if args.elastic or args.min_np is not None or args.mpiexec:
+        raise SystemExit("hpctrain launch: --exact runs the command line as given; leave out --elastic, "
+                         "--min-np and --mpiexec (put the launcher and its flags after --)")
+    if shutil.which(command[0]) is None:
+        raise SystemExit(f"hpctrain launch --exact: {command[0]!r} is not a program on PATH.\n"
+                         "HINT: the command after -- starts with the launcher, e.g. -- mpirun -n 4 python train.py")
+    from hpctrain import comm  # imported by the CLI already: no MPI start-up, only its environment default
+
+    env = dict(os.environ)
+    if comm.OSC_DEFAULTED:
+        env.pop("OMPI_MCA_osc", None)
+    return run_forwarding_signals(command, env, to_launcher=True)
 
 
 def elastic_flags(version_text: str) -> List[str]:
@@ -352,14 +381,16 @@ def pass_on_and_feed(source: int, sink: object, report: AbortReport) -> None:
 
 
 def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
-                           overdue: Optional[Callable[[], Optional[str]]] = None) -> int:
+                           overdue: Optional[Callable[[], Optional[str]]] = None, to_launcher: bool = False) -> int:
     """Run ``argv`` (an mpiexec command); a stop signal to this process goes to the ranks
-    (mpiexec itself when none is found yet). mpiexec's standard error passes through an
-    ``AbortReport``: mpiexec still running HPCTRAIN_LAUNCH_ABORT_GRACE s after it reported an
-    MPI_Abort is stopped with every process under it, and the status is the abort's code.
-    ``overdue()``, asked every second, says why the job must be ended now (None: not yet): then
-    the same, and the status is 1. Otherwise the exit status is mpiexec's, or 128 + the signal
-    when one was forwarded and the job ended non-zero."""
+    (mpiexec itself when none is found yet), or with ``to_launcher`` every signal of
+    ``TO_LAUNCHER`` goes to mpiexec, which passes it on to all ranks. mpiexec's standard
+    error passes through an ``AbortReport``: mpiexec still running HPCTRAIN_LAUNCH_ABORT_GRACE s
+    after it reported an MPI_Abort is stopped with every process under it, and the status is
+    the abort's code. ``overdue()``, asked every second, says why the job must be ended now
+    (None: not yet): then the same, and the status is 1. Otherwise the exit status is
+    mpiexec's, or (not ``to_launcher``) 128 + the signal when one was forwarded and the job
+    ended non-zero."""
     import psutil  # noqa: F401 - imported here, not first inside a signal handler (a second signal mid-import broke it)
     import threading
 
@@ -373,7 +404,7 @@ def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
 
     def forward(signum: int, _frame: object) -> None:
         caught.append(signum)
-        ranks = rank_processes(process_tree(proc.pid), proc.pid)
+        ranks = [] if to_launcher else rank_processes(process_tree(proc.pid), proc.pid)
         for pid in ranks:
             try:
                 os.kill(pid, signum)
@@ -382,7 +413,7 @@ def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
         if not ranks:
             proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    previous = {sig: signal.signal(sig, forward) for sig in (TO_LAUNCHER if to_launcher else FORWARDED)}
     try:
         rc = wait_unless_overdue(proc, first_reason(report, overdue),
                                  stopped_status=lambda: report.exit_status() if report() else 1)
@@ -391,7 +422,7 @@ def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
             signal.signal(sig, handler)
         pump.join(timeout=5.0)  # a daemon mpiexec left behind may hold the pipe open: do not wait on it
         proc.stderr.close()
-    if caught and rc != 0:
+    if caught and rc != 0 and not to_launcher:
         return 128 + caught[0]
     return rc
 

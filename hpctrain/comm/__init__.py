@@ -13,6 +13,7 @@ import mpi4py as _mpi4py
 # osc/ucx prints errors where UCX has no usable transport (workstations). A user's own
 # OMPI_MCA_osc wins.
 _mpi4py.rc.thread_level = "multiple"
+OSC_DEFAULTED = "OMPI_MCA_osc" not in _os.environ  # `hpctrain launch --exact` hands on the environment as it was
 _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 from .errors import (CollectiveMismatchError, CommError, ElasticError, HorovodInternalError, JoinedRanksError,

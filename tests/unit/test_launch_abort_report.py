@@ -111,3 +111,65 @@ def test_an_mpiexec_that_exits_after_an_abort_keeps_its_status_and_is_not_waited
     assert proc.returncode == 5, proc.stderr.decode()
     assert "ending it" not in proc.stderr.decode()
     assert took < 30, f"hpctrain launch took {took:.1f} s after mpiexec exited"
+
+
+# A launcher for --exact: records its arguments and environment, says when it got SIGUSR1.
+RECORDING = """#!/bin/bash
+printf '%s\\0' "$@" > "$ARGV"
+env > "$ENVFILE"
+trap 'echo usr1 > "$GOT"; exit 0' USR1
+[ "$1" = "--wait" ] && { touch "$READY"; while :; do sleep 0.1; done; }
+exit 3
+"""
+
+
+def _exact(tmp_path, script, *args, grace=60, signal_after=None):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "sitempirun"
+    exe.write_text(script)
+    exe.chmod(0o755)
+    files = {name: str(tmp_path / name) for name in ("ARGV", "ENVFILE", "GOT", "READY", "PIDFILE", "REPORTED")}
+    env = {**os.environ, **files, "HPCTRAIN_LAUNCH_ABORT_GRACE": str(grace),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("OMPI_MCA_osc", None)
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain.cli.main", "launch", "--exact", "--", "sitempirun", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    if signal_after:
+        deadline = time.time() + 60
+        while not os.path.exists(files["READY"]) and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal_after)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, err.decode(), files
+
+
+def test_exact_runs_the_launcher_line_as_given(tmp_path):
+    rc, err, files = _exact(tmp_path, RECORDING, "-n", "4", "--map-by", "ppr:2:node", "python", "train.py", "--")
+    assert rc == 3, err  # the launcher's own status
+    with open(files["ARGV"], "rb") as fh:
+        assert fh.read().split(b"\0")[:-1] == [b"-n", b"4", b"--map-by", b"ppr:2:node", b"python", b"train.py", b"--"]
+    with open(files["ENVFILE"]) as fh:
+        env = fh.read()
+    assert "OMPI_MCA_osc=" not in env and "--oversubscribe" not in open(files["ARGV"]).read()
+
+
+def test_exact_sends_signals_to_the_launcher_and_keeps_its_status(tmp_path):
+    import signal
+
+    rc, err, files = _exact(tmp_path, RECORDING, "--wait", signal_after=signal.SIGUSR1)
+    assert os.path.exists(files["GOT"]), f"SIGUSR1 did not reach the launcher\n{err}"
+    assert rc == 0, err  # the launcher exited 0 after the signal: not 128 + 10
+
+
+def test_exact_ends_a_launcher_that_stays_after_an_abort(tmp_path):
+    rc, err, _ = _exact(tmp_path, LINGERING, grace=1.5)
+    assert rc == 5 and "ending it" in err, err
+
+
+@pytest.mark.parametrize("args,says", [(["--exact", "--elastic", "--", "true"], "leave out --elastic"),
+                                       (["--exact", "--", "no-such-launcher-here", "-n", "2"], "not a program on PATH")])
+def test_exact_refuses_what_it_cannot_do(args, says):
+    proc = subprocess.run([sys.executable, "-m", "hpctrain.cli.main", "launch", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and says in proc.stderr, proc.stderr
