@@ -447,6 +447,11 @@ def _stage_grace(schedule, where: np.ndarray):
         stage = int(where[1])
         if stage == 0:
             return _STAGE_GRACE * heights.get(int(where[0]), 0)
+        if schedule.home >= 0:
+            # Any later wait of a rank with a home is for the result, after every step of the
+            # core; the C check counts steps from the rank's own (empty) partner list and
+            # writes stage 1 there, which would let it report as early as a core rank at step 1.
+            stage = schedule.steps + 1
         return _STAGE_GRACE * (schedule.levels + stage)
 
     return grace

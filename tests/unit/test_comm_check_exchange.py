@@ -277,3 +277,24 @@ def test_a_stalled_check_is_reported_first_by_the_rank_waiting_where_it_stopped(
     assert "gathers this rank's part" in wait(middle, 0, 2)[1]
     flat = FakeGroup(0, 4, Hub(4))
     assert wait(flat, 1, 1) == (2.0, "ranks 1") and wait(flat, 2, 2)[0] == 4.0
+
+
+def test_a_homed_ranks_wait_for_the_result_outlasts_every_core_step():
+    """A rank with a home waits for the result after the core's last step, and the C check
+    writes stage 1 for that wait (it counts steps from the homed rank's empty partner list):
+    its grace must still exceed every core rank's, so that the rank waiting where the check
+    really stopped reports first. Flat 3 ranks: rank 2 (home 0) against rank 0 at its step
+    with rank 1; 2 nodes x 3: a leaf against its leader at the step across nodes."""
+    def grace(group, partner, stage):
+        return guard._stage_grace(group.check_schedule, np.array([partner, stage], np.int32))()
+
+    hub = Hub(3)
+    core, homed = FakeGroup(0, 3, hub), FakeGroup(2, 3, hub)
+    assert homed.check_schedule.home == 0 and core.check_schedule.partners == (1,)
+    assert all(grace(homed, 0, stage) > grace(core, 1, 1) for stage in (1, 2))
+    blocks = (0, 0, 0, 1, 1, 1)
+    hub = Hub(6)
+    leader, leaf = FakeGroup(0, 6, hub, node_of=blocks), FakeGroup(1, 6, hub, node_of=blocks)
+    assert leaf.check_schedule.home == 0
+    across = grace(leader, 3, 1)
+    assert all(grace(leaf, 0, stage) > across for stage in (1, 2))
