@@ -29,7 +29,9 @@ everything under it and exits with the code given to ``MPI_Abort``, as mpiexec w
 (your cluster's ``mpirun``/``mpiexec`` and its flags; nothing found, nothing added, no ``-n``
 of ours) with only that abort guard around it: the sbatch templates' ``mpirun`` launcher runs
 this way. Signals (SIGTERM, SIGUSR1, SIGUSR2) then go to the launcher itself, which passes
-them on to the ranks on every node, as when it runs alone.
+them on to the ranks on every node, as when it runs alone; inside a SLURM job SIGTERM is not
+passed on, since SLURM sends it to the launcher too (a second one makes Open MPI's launcher
+abort the job at once).
 """
 from __future__ import annotations
 
@@ -185,7 +187,10 @@ def run_exact(args: argparse.Namespace, command: List[str]) -> int:
     env = dict(os.environ)
     if comm.OSC_DEFAULTED:
         env.pop("OMPI_MCA_osc", None)
-    return run_forwarding_signals(command, env, to_launcher=True)
+    # Inside a SLURM job, SLURM sends SIGTERM (time limit, scancel) to every process of the step,
+    # mpirun included: passing on a second one makes Open MPI's launcher abort at once.
+    own = (signal.SIGTERM,) if os.environ.get("SLURM_JOB_ID") else ()
+    return run_forwarding_signals(command, env, to_launcher=True, launcher_gets=own)
 
 
 def elastic_flags(version_text: str) -> List[str]:
@@ -381,10 +386,12 @@ def pass_on_and_feed(source: int, sink: object, report: AbortReport) -> None:
 
 
 def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
-                           overdue: Optional[Callable[[], Optional[str]]] = None, to_launcher: bool = False) -> int:
+                           overdue: Optional[Callable[[], Optional[str]]] = None, to_launcher: bool = False,
+                           launcher_gets: Tuple[int, ...] = ()) -> int:
     """Run ``argv`` (an mpiexec command); a stop signal to this process goes to the ranks
     (mpiexec itself when none is found yet), or with ``to_launcher`` every signal of
-    ``TO_LAUNCHER`` goes to mpiexec, which passes it on to all ranks. mpiexec's standard
+    ``TO_LAUNCHER`` goes to mpiexec, which passes it on to all ranks (``launcher_gets``: those
+    mpiexec receives itself, not passed on, this process only surviving them). mpiexec's standard
     error passes through an ``AbortReport``: mpiexec still running HPCTRAIN_LAUNCH_ABORT_GRACE s
     after it reported an MPI_Abort is stopped with every process under it, and the status is
     the abort's code. ``overdue()``, asked every second, says why the job must be ended now
@@ -404,6 +411,8 @@ def run_forwarding_signals(argv: List[str], env: Mapping[str, str],
 
     def forward(signum: int, _frame: object) -> None:
         caught.append(signum)
+        if signum in launcher_gets:
+            return
         ranks = [] if to_launcher else rank_processes(process_tree(proc.pid), proc.pid)
         for pid in ranks:
             try:

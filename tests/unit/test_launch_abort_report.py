@@ -173,3 +173,34 @@ def test_exact_refuses_what_it_cannot_do(args, says):
     proc = subprocess.run([sys.executable, "-m", "hpctrain.cli.main", "launch", *args], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode != 0 and says in proc.stderr, proc.stderr
+
+
+def test_exact_inside_slurm_leaves_sigterm_to_the_launcher(tmp_path, monkeypatch):
+    """SLURM sends SIGTERM to every process of the step, mpirun too: --exact then survives it
+    without passing a second one on (Open MPI's launcher aborts at once on a second)."""
+    import signal
+
+    script = RECORDING.replace("trap 'echo usr1 > \"$GOT\"; exit 0' USR1",
+                               "trap 'echo term >> \"$GOT\"' TERM; trap 'echo usr1 >> \"$GOT\"; exit 0' USR1")
+    assert "echo term" in script
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "sitempirun"
+    exe.write_text(script)
+    exe.chmod(0o755)
+    got, ready = tmp_path / "got", tmp_path / "ready"
+    env = {**os.environ, "ARGV": str(tmp_path / "argv"), "ENVFILE": str(tmp_path / "env"), "GOT": str(got),
+           "READY": str(ready), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain.cli.main", "launch", "--exact", "--", "sitempirun", "--wait"],
+                            stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 60
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None, "hpctrain launch --exact died of a SIGTERM meant for the step"
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert got.read_text().split() == ["usr1"], err.decode()  # no SIGTERM passed on; SIGUSR1 was
+    assert proc.returncode == 0, err.decode()
