@@ -39,6 +39,51 @@ def test_stall_in_the_check_through_rank_0_names_only_the_missing_rank():
     assert "unreachable" not in result.stdout
 
 
+def test_ranks_exit_when_their_launcher_is_killed():
+    """SIGKILL to mpiexec (Open MPI 5's prterun leaves its ranks running then): every rank
+    sees that the launcher that started it is gone and exits within seconds."""
+    import os
+    import re
+    import signal
+    import subprocess
+
+    from mpirun import mpi_env, mpiexec_argv
+
+    proc = subprocess.Popen(mpiexec_argv(2) + python_argv(str(SCRIPTS / "report_pids.py")), env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            m = re.match(r"PID (\d+) PARENT (\d+)", line)
+            if m:
+                pids.append(int(m.group(1)))
+        assert len(pids) == 2, "the ranks did not start"
+        proc.kill()  # mpiexec alone, as `kill -9` does; its ranks are not signalled
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [pid for pid in pids if _running(pid)]
+        assert not alive, f"ranks {alive} still run after their launcher was killed"
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("how", ["new_group", "split"])
 def test_group_creation_with_a_missing_rank_aborts(how):
     t0 = time.monotonic()

@@ -3,15 +3,22 @@ reported (operation, group, ranks not arrived) and the whole job is aborted.
 
 Every blocking wait in hpctrain.comm runs inside ``watch(...)``. A daemon thread checks the
 waits of all threads; mpi4py releases the GIL while blocked in MPI, so the thread runs.
+
+The same thread watches the process that started this rank, when it is an MPI launcher or
+daemon (``LAUNCHER_PARENTS``): once it is gone the job cannot finish, and the rank exits.
+Open MPI 5's ``prterun`` killed with SIGKILL (a user's ``kill -9``, a scheduler that tracks
+processes by parentage) leaves its ranks running, a rank whose peer died spinning in a
+collective until the stall timeout.
 """
 from __future__ import annotations
 
 import array
+import os
 import sys
 import threading
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .. import settings
 
@@ -124,11 +131,32 @@ class ClockedWait:
         self._from, self._restarted = self.clock[0], value
 
 
+# Names (as /proc/PID/comm gives them) of the processes that start MPI ranks: Open MPI's
+# launchers and daemons, MPICH's and Intel MPI's Hydra, SLURM's step daemon.
+LAUNCHER_PARENTS = frozenset({"prterun", "prted", "orted", "orterun", "mpirun", "mpiexec", "mpiexec.hydra",
+                              "hydra_pmi_proxy", "pmi_proxy", "slurmstepd"})
+
+
+def launcher_parent(ppid: Optional[int] = None, proc: str = "/proc") -> Optional[Tuple[int, str]]:
+    """``(pid, name)`` of this process's parent (or of ``ppid``) when it is an MPI launcher or
+    daemon; None otherwise (a shell, a container's starter, a system without ``/proc``)."""
+    ppid = os.getppid() if ppid is None else ppid
+    try:
+        with open(f"{proc}/{ppid}/comm") as fh:
+            name = fh.read().strip()
+    except OSError:
+        return None
+    return (ppid, name) if name in LAUNCHER_PARENTS else None
+
+
 class Watchdog:
-    def __init__(self, rank: int, abort: Callable[[int], None], timeout: float) -> None:
+    def __init__(self, rank: int, abort: Callable[[int], None], timeout: float,
+                 parent: Optional[Tuple[int, str]] = None, getppid: Callable[[], int] = os.getppid) -> None:
         self.rank = rank
         self.timeout = timeout
         self._abort = abort
+        self.parent = parent  # (pid, name) of the launcher that started this rank, if one did
+        self._getppid = getppid
         self._waits: Dict[int, Wait] = {}
         self._clocked: Dict[int, weakref.ref] = {}  # id -> ClockedWait
         self._thread: Optional[threading.Thread] = None
@@ -168,9 +196,30 @@ class Watchdog:
                 waits.append(wait)
         return waits
 
+    def launcher_gone(self) -> bool:
+        """Whether the launcher that started this rank has exited (this rank was re-parented)."""
+        return self.parent is not None and self._getppid() != self.parent[0]
+
+    def orphaned(self) -> None:
+        """The launcher is gone: say so (its pipes may be gone too) and end this process; no
+        MPI call, since MPI_Abort would wait for the launcher."""
+        pid, name = self.parent
+        message = (f"hpctrain: rank {self.rank}: the MPI launcher that started it ({name}, pid {pid}) is gone, "
+                   "so the job cannot finish; this rank exits.\nHINT: stop a job with SIGTERM to its launcher "
+                   "(or scancel), which ends every rank; SIGKILL to the launcher alone leaves its ranks running.")
+        self.fired.append(message)
+        try:
+            print(message, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        os._exit(1)
+
     def _run(self) -> None:
         interval = min(1.0, max(self.timeout / 10, 0.05))
         while not self._stop.wait(interval):
+            if self.launcher_gone():
+                self.orphaned()
+                return
             now = time.monotonic()
             for wait in self._watched():
                 since = wait.since

@@ -18,7 +18,7 @@ from .asyncq import drain
 from .errors import CommError, ElasticError, NotInitializedError, RanksLostError
 from .guard import agree, make_header
 from .plan import Topology, check_schedule, topology_from_keys
-from .watchdog import Watchdog, stall_timeout
+from .watchdog import Watchdog, launcher_parent, stall_timeout
 
 # "base": the communicator the world group is built on: MPI_COMM_WORLD, or the survivors'
 # communicator after an elastic job lost ranks ("generation" counts those re-formings).
@@ -202,7 +202,7 @@ def init(check_slurm: bool = True) -> "Group":
         _state["launched"] = list(range(MPI.COMM_WORLD.Get_size()))
         world = Group(MPI.COMM_WORLD, "world")
         _state["world"] = world
-        dog = Watchdog(world.rank, abort_job, stall_timeout())
+        dog = Watchdog(world.rank, abort_job, stall_timeout(), launcher_parent() if world.size > 1 else None)
         if world.size > 1:
             dog.start()
             _install_excepthook()

@@ -83,3 +83,44 @@ def test_a_new_call_after_a_diverted_one_is_counted_from_its_own_start():
     assert wait.since == 60.0
     wait.clock[0] = 0.0
     assert wait.since is None
+
+
+def test_launcher_parent_names_only_mpi_launchers(tmp_path):
+    from hpctrain.comm.watchdog import launcher_parent
+
+    for pid, name in ((11, "prterun"), (12, "prted"), (13, "hydra_pmi_proxy"), (14, "slurmstepd"), (15, "bash"),
+                      (16, "starter-suid")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "comm").write_text(name + "\n")
+    assert launcher_parent(11, str(tmp_path)) == (11, "prterun")
+    assert launcher_parent(13, str(tmp_path)) == (13, "hydra_pmi_proxy")
+    assert launcher_parent(14, str(tmp_path)) == (14, "slurmstepd")
+    assert launcher_parent(15, str(tmp_path)) is None  # a shell: a singleton run by hand
+    assert launcher_parent(16, str(tmp_path)) is None  # a container's starter: not watched
+    assert launcher_parent(99, str(tmp_path)) is None  # gone, or no /proc
+
+
+def test_a_rank_whose_launcher_is_gone_exits_with_a_report():
+    """Re-parented (its launcher's pid is no longer its parent): the watchdog's thread says so
+    and ends the process with status 1; with its launcher still there it runs on."""
+    import subprocess
+    import sys
+
+    code = ("import time\n"
+            "from hpctrain.comm.watchdog import Watchdog\n"
+            "parent = [100]\n"
+            "dog = Watchdog(3, lambda code: None, 0.5, parent=(100, 'prterun'), getppid=lambda: parent[0])\n"
+            "dog.start()\n"
+            "time.sleep(0.5)\n"
+            "assert not dog.launcher_gone()\n"
+            "print('still running', flush=True)\n"
+            "parent[0] = 1\n"
+            "time.sleep(10)\n"
+            "print('not ended')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "still running" in done.stdout and "not ended" not in done.stdout
+    assert "rank 3: the MPI launcher that started it (prterun, pid 100) is gone" in done.stderr
+    assert "HINT" in done.stderr
+    unwatched = watchdog.Watchdog(0, lambda code: None, 1.0)
+    assert not unwatched.launcher_gone()  # no launcher parent known: never orphaned
