@@ -299,8 +299,9 @@ def resume_completes(ctx: Ctx, cfg: Path, steps: int) -> Outcome:
 def fault_row(name: str, expect: str, test: str, strike: Callable[[subprocess.Popen, List[int]], None],
               judge: Callable[[Outcome], bool], extra_env: Optional[Dict[str, str]] = None) -> Row:
     """Start a 2-rank run that checkpoints every 5 steps, strike once a checkpoint exists plus a
-    random delay, then check the end, the checkpoints and a resume to the last step."""
-    steps = 400
+    random delay, then check the end, the checkpoints and a resume to the last step. A run
+    that ended before the strike fails the row: it tested nothing."""
+    steps = 2000  # several seconds on 2 cores: still running when the strike comes
 
     def go(ctx: Ctx) -> Outcome:
         tag = f"{name}-{random.randrange(1 << 30)}"
@@ -315,7 +316,12 @@ def fault_row(name: str, expect: str, test: str, strike: Callable[[subprocess.Po
             return out
         time.sleep(random.uniform(0.0, 2.0))
         before = valid_checkpoints(ckpts)
-        strike(proc, rank_pids(proc, cfg))
+        pids = rank_pids(proc, cfg)
+        if proc.poll() is not None or not pids or newest_step(before) >= steps:
+            out = finish(proc, t0, 1)
+            out.ok, out.detail = False, f"the run ended before the strike (step {newest_step(before)} of {steps})"
+            return out
+        strike(proc, pids)
         struck = time.monotonic()
         out = finish(proc, t0, (struck - t0) + 90)
         out.seconds = time.monotonic() - struck
