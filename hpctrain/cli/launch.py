@@ -132,7 +132,7 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  hpctrain launch -n 2 -- hpctrain selfcheck",
     )
-    p.add_argument("-n", "--np", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("-n", "--np", type=int, default=None, help="number of ranks (default 2)")
     p.add_argument("--mpiexec", default=None, help="launcher to use (default: found automatically)")
     p.add_argument("--elastic", action="store_true",
                    help="survive lost ranks: MPI fault tolerance on, HPCTRAIN_ELASTIC=1 (docs/elastic.md)")
@@ -150,10 +150,12 @@ def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
         raise SystemExit("hpctrain launch: nothing to run. example: hpctrain launch -n 2 -- hpctrain selfcheck")
-    if args.np < 1:
-        raise SystemExit(f"hpctrain launch: -n must be at least 1, got {args.np}")
     if args.exact:
         return run_exact(args, command)
+    if args.np is None:
+        args.np = 2
+    if args.np < 1:
+        raise SystemExit(f"hpctrain launch: -n must be at least 1, got {args.np}")
     exe = args.mpiexec or find_mpiexec()
     from hpctrain.malloc_tuning import child_env
 
@@ -176,9 +178,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_exact(args: argparse.Namespace, command: List[str]) -> int:
     """``--exact``: ``command`` is the launcher's whole command line, run unchanged."""
-    if args.elastic or args.min_np is not None or args.mpiexec:
-        raise SystemExit("hpctrain launch: --exact runs the command line as given; leave out --elastic, "
-                         "--min-np and --mpiexec (put the launcher and its flags after --)")
+    if args.np is not None or args.elastic or args.min_np is not None or args.mpiexec:
+        raise SystemExit("hpctrain launch: --exact runs the command line as given; leave out -n, --elastic, "
+                         "--min-np and --mpiexec (put the launcher and its flags after --, e.g. -- mpirun -n 4 ...)")
     if shutil.which(command[0]) is None:
         raise SystemExit(f"hpctrain launch --exact: {command[0]!r} is not a program on PATH.\n"
                          "HINT: the command after -- starts with the launcher, e.g. -- mpirun -n 4 python train.py")

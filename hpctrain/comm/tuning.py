@@ -26,6 +26,7 @@ Pure: no MPI, no clocks; the caller times the calls and reports them with ``reco
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Collection, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -234,7 +235,7 @@ class Tuner:
         elif sc.trial_left or name == sc.trial:  # within a trial: the median of its timings
             arm.kept += 1
             arm.samples.append(seconds)
-            arm.estimate = _median(arm.samples)
+            arm.estimate = statistics.median(arm.samples)
         else:  # the running best: a moving average that follows changes of state
             # One call counts at most STEP_LIMIT x the average: a lone hiccup moves the
             # average by a few per cent, a real change of state within a few calls.
@@ -313,12 +314,6 @@ class Tuner:
             sc.warming = WARM_CALLS
         sc.previous = name
         return name
-
-
-def _median(values: List[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def size_class(nbytes: int) -> int:

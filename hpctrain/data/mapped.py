@@ -45,7 +45,7 @@ class MappedFile:
         self.fd = fd
         self.mm = mm
         self.path = path
-        self.size = len(mm) if size is None and mm is not None else int(size or 0)
+        self.size = int(size) if size is not None else (len(mm) if mm is not None else 0)
 
     def __len__(self) -> int:
         return self.size

@@ -167,7 +167,8 @@ def test_exact_ends_a_launcher_that_stays_after_an_abort(tmp_path):
     assert rc == 5 and "ending it" in err, err
 
 
-@pytest.mark.parametrize("args,says", [(["--exact", "--elastic", "--", "true"], "leave out --elastic"),
+@pytest.mark.parametrize("args,says", [(["--exact", "--elastic", "--", "true"], "leave out -n, --elastic"),
+                                       (["-n", "4", "--exact", "--", "true"], "leave out -n"),
                                        (["--exact", "--", "no-such-launcher-here", "-n", "2"], "not a program on PATH")])
 def test_exact_refuses_what_it_cannot_do(args, says):
     proc = subprocess.run([sys.executable, "-m", "hpctrain.cli.main", "launch", *args], capture_output=True,
