@@ -23,7 +23,7 @@ import collections
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -162,6 +162,36 @@ class _ActivationMeter:
 
     def release(self, m: int) -> None:
         self.current -= self.held.pop(m, 0)
+
+
+@dataclass
+class _StepRun:
+    """One ``train_step``'s state on this stage while it walks its program, micro-batch ``m``
+    keyed: received inputs (leaves that require grad), outputs kept for backward, last-stage
+    losses, tensors waiting to be sent, received output gradients; and the step's counters."""
+
+    rows: int
+    ranges: List[Tuple[int, int]]
+    loss_fn: LossFn
+    rows_weighted: bool
+    meter: Optional[_ActivationMeter]
+    chunks: List[torch.Tensor] = field(default_factory=list)  # the first stage's micro-batches
+    targets: List[Any] = field(default_factory=list)  # the last stage's
+    inputs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: Dict[int, torch.Tensor] = field(default_factory=dict)
+    losses: Dict[int, torch.Tensor] = field(default_factory=dict)
+    to_send: Dict[int, torch.Tensor] = field(default_factory=dict)
+    grads_out: Dict[int, torch.Tensor] = field(default_factory=dict)
+    pending_grad: Dict[int, torch.Tensor] = field(default_factory=dict)
+    total_loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    compute: float = 0.0
+    comm_time: float = 0.0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+
+    def micro_rows(self, m: int) -> int:
+        a, b = self.ranges[m]
+        return b - a
 
 
 # --------------------------------------------------------------------------- the module
@@ -394,95 +424,92 @@ class PipelineModule:
         rows = self._rows(batch, targets)
         ranges = split_rows(rows, self.micro_batches)
         dev = self.device
+        run = _StepRun(rows=rows, ranges=ranges, loss_fn=loss_fn, rows_weighted=rows_weighted,
+                       meter=_ActivationMeter(list(self.module.parameters())) if self.track_memory else None)
         if batch is not None and self.is_first:
-            chunks = [batch[a:b] if dev is None else batch[a:b].to(dev) for a, b in ranges]
+            run.chunks = [batch[a:b] if dev is None else batch[a:b].to(dev) for a, b in ranges]
         if targets is not None and self.is_last:
-            tchunks = [targets[a:b] if dev is None else targets[a:b].to(dev) for a, b in ranges]
-        meter = _ActivationMeter(list(self.module.parameters())) if self.track_memory else None
-        inputs: Dict[int, torch.Tensor] = {}  # received buffers (leaves requiring grad)
-        outputs: Dict[int, torch.Tensor] = {}  # stage outputs kept for backward
-        losses: Dict[int, torch.Tensor] = {}
-        to_send: Dict[int, torch.Tensor] = {}
-        grads_out: Dict[int, torch.Tensor] = {}
-        pending_grad: Dict[int, torch.Tensor] = {}
-        total_loss = torch.zeros((), dtype=torch.float64)
-        compute = comm_time = 0.0
-        in_flight = peak_in_flight = 0
+            run.targets = [targets[a:b] if dev is None else targets[a:b].to(dev) for a, b in ranges]
+        handlers = {RECV_ACT: self._op_recv_activation, FWD: self._op_forward, SEND_ACT: self._op_send_activation,
+                    RECV_GRAD: self._op_recv_gradient, BWD: self._op_backward, SEND_GRAD: self._op_send_gradient}
         t_start = time.perf_counter()
         for op in self._ops:
-            m = op.micro_batch
-            mrows = ranges[m][1] - ranges[m][0]
             t0 = time.perf_counter()
-            if op.kind == RECV_ACT:
-                buf = self._recv_activation(mrows)
-                if dev is None:
-                    inputs[m] = buf.requires_grad_(True)  # the pooled buffer is the stage's input leaf
-                else:
-                    inputs[m] = buf.to(dev, copy=True).requires_grad_(True)
-                    self._give_buffer(buf)
-                comm_time += time.perf_counter() - t0
-            elif op.kind == FWD:
-                if self.is_first:
-                    x = chunks[m]
-                else:
-                    x = inputs[m].clone() if self._clone_input else inputs[m]
-                y, loss = self._forward_micro(x, tchunks[m] if self.is_last else None, loss_fn, meter)
-                if self.is_last:
-                    scaled = loss * (mrows / rows) if rows_weighted else loss
-                    losses[m] = scaled
-                    total_loss += scaled.detach().double().cpu()
-                else:
-                    outputs[m] = y
-                    to_send[m] = self._wire(y)
-                if meter is not None:
-                    meter.end(m, [x if not self.is_first else None, y])
-                in_flight += 1
-                peak_in_flight = max(peak_in_flight, in_flight)
-                compute += time.perf_counter() - t0
-            elif op.kind == SEND_ACT:
-                t = to_send.pop(m)
-                self._send_activation(t, mrows)
-                self._sent(t)
-                comm_time += time.perf_counter() - t0
-            elif op.kind == RECV_GRAD:
-                # the gradient buffer is reused: the program never receives another gradient
-                # before this micro-batch's backward
-                pending_grad[m] = self._recv_gradient(mrows)
-                comm_time += time.perf_counter() - t0
-            elif op.kind == BWD:
-                if self.is_last:
-                    losses.pop(m).backward()
-                else:
-                    g = pending_grad.pop(m)
-                    out = outputs.pop(m)
-                    # A first stage without parameters (Flatten, scaling, …) has an output that
-                    # needs no gradient: nothing to do, but the gradient was still received.
-                    if out.requires_grad:
-                        out.backward(g if dev is None else g.to(dev))
-                self._after_backward(m, inputs, grads_out, meter)
-                in_flight -= 1
-                compute += time.perf_counter() - t0
-            elif op.kind == SEND_GRAD:
-                t = grads_out.pop(m)
-                comm.send(t, self.stage - 1, tag=TAG_GRAD, group=self.pipeline_group)
-                self._sent(t)
-                buf = inputs.pop(m)
-                if dev is None:
-                    self._give_buffer(buf)
-                comm_time += time.perf_counter() - t0
-            else:  # pragma: no cover - the planner only emits the kinds above
-                raise AssertionError(op)
+            handlers[op.kind](run, op.micro_batch)
+            if op.kind in (FWD, BWD):
+                run.compute += time.perf_counter() - t0
+            else:
+                run.comm_time += time.perf_counter() - t0
         step = time.perf_counter() - t_start
-        assert not outputs and not losses and not to_send and not grads_out, "pipeline program left work behind"
-        loss_value = total_loss
+        assert not run.outputs and not run.losses and not run.to_send and not run.grads_out, \
+            "pipeline program left work behind"
+        loss_value = run.total_loss
         if self.broadcast_loss and self.stages > 1:
-            loss_value = comm.broadcast(total_loss.reshape(1), root=self.stages - 1, group=self.pipeline_group)[0]
+            loss_value = comm.broadcast(run.total_loss.reshape(1), root=self.stages - 1, group=self.pipeline_group)[0]
         elif not self.is_last:
             loss_value = torch.tensor(float("nan"), dtype=torch.float64)
         self.steps += 1
-        self.last_stats = StepStats(step, compute, comm_time, peak_in_flight, meter.peak if meter else 0,
-                                    float(loss_value))
+        self.last_stats = StepStats(step, run.compute, run.comm_time, run.peak_in_flight,
+                                    run.meter.peak if run.meter else 0, float(loss_value))
         return loss_value
+
+    # One method per kind of op of the stage's program (schedule.py), each on the step's state.
+    def _op_recv_activation(self, run: "_StepRun", m: int) -> None:
+        buf = self._recv_activation(run.micro_rows(m))
+        if self.device is None:
+            run.inputs[m] = buf.requires_grad_(True)  # the pooled buffer is the stage's input leaf
+        else:
+            run.inputs[m] = buf.to(self.device, copy=True).requires_grad_(True)
+            self._give_buffer(buf)
+
+    def _op_forward(self, run: "_StepRun", m: int) -> None:
+        if self.is_first:
+            x = run.chunks[m]
+        else:
+            x = run.inputs[m].clone() if self._clone_input else run.inputs[m]
+        y, loss = self._forward_micro(x, run.targets[m] if self.is_last else None, run.loss_fn, run.meter)
+        if self.is_last:
+            scaled = loss * (run.micro_rows(m) / run.rows) if run.rows_weighted else loss
+            run.losses[m] = scaled
+            run.total_loss += scaled.detach().double().cpu()
+        else:
+            run.outputs[m] = y
+            run.to_send[m] = self._wire(y)
+        if run.meter is not None:
+            run.meter.end(m, [x if not self.is_first else None, y])
+        run.in_flight += 1
+        run.peak_in_flight = max(run.peak_in_flight, run.in_flight)
+
+    def _op_send_activation(self, run: "_StepRun", m: int) -> None:
+        t = run.to_send.pop(m)
+        self._send_activation(t, run.micro_rows(m))
+        self._sent(t)
+
+    def _op_recv_gradient(self, run: "_StepRun", m: int) -> None:
+        # the gradient buffer is reused: the program never receives another gradient before
+        # this micro-batch's backward
+        run.pending_grad[m] = self._recv_gradient(run.micro_rows(m))
+
+    def _op_backward(self, run: "_StepRun", m: int) -> None:
+        if self.is_last:
+            run.losses.pop(m).backward()
+        else:
+            g = run.pending_grad.pop(m)
+            out = run.outputs.pop(m)
+            # A first stage without parameters (Flatten, scaling, …) has an output that needs
+            # no gradient: nothing to do, but the gradient was still received.
+            if out.requires_grad:
+                out.backward(g if self.device is None else g.to(self.device))
+        self._after_backward(m, run.inputs, run.grads_out, run.meter)
+        run.in_flight -= 1
+
+    def _op_send_gradient(self, run: "_StepRun", m: int) -> None:
+        t = run.grads_out.pop(m)
+        comm.send(t, self.stage - 1, tag=TAG_GRAD, group=self.pipeline_group)
+        self._sent(t)
+        buf = run.inputs.pop(m)
+        if self.device is None:
+            self._give_buffer(buf)
 
     def _forward_micro(self, x: torch.Tensor, target: Any, loss_fn: LossFn,
                        meter: Optional["_ActivationMeter"]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
