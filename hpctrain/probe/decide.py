@@ -113,45 +113,60 @@ def plan_binding(facts: RankFacts, threads: Optional[int] = None, device: str = 
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     reasons: List[str] = []
     warnings: List[str] = []
+    chosen, gpu = ("cpu", None) if device == "cpu" else _pick_gpu(facts, device, reasons, warnings)
+    n_threads, cores = _pick_threads(facts, threads, env, reasons, warnings)
+    return BindingPlan(facts.rank, facts.local_rank, max(1, facts.local_size), chosen, gpu, n_threads, cores,
+                       tuple(reasons), tuple(warnings))
+
+
+def _pick_gpu(facts: RankFacts, device: str, reasons: List[str], warnings: List[str]) -> Tuple[str, Optional[int]]:
+    """``plan_binding``'s device for ``device`` "auto" or "cuda": ("cuda:N", the GPU's probe
+    index) or ("cpu", None) where no GPU is usable; appends its reasons and warnings."""
     lr, ls = facts.local_rank, max(1, facts.local_size)
     chosen = "cpu"
     gpu: Optional[int] = None
-    if device != "cpu":
-        ordinals, why = usable_cuda_ordinals(facts)
-        reasons.extend(why)
-        if not ordinals:
-            if device == "cuda":
-                raise ValueError(
-                    f"rank {facts.rank} on {facts.hostname}: device 'cuda' asked for, but no usable GPU "
-                    f"({'; '.join(why) or 'no GPU found: ' + '; '.join(facts.gpus.notes)}).\n"
-                    "HINT: run on a GPU node, check CUDA_VISIBLE_DEVICES, or use --device cpu")
-            reasons.append("no usable GPU: running on CPU")
+    ordinals, why = usable_cuda_ordinals(facts)
+    reasons.extend(why)
+    if not ordinals:
+        if device == "cuda":
+            raise ValueError(
+                f"rank {facts.rank} on {facts.hostname}: device 'cuda' asked for, but no usable GPU "
+                f"({'; '.join(why) or 'no GPU found: ' + '; '.join(facts.gpus.notes)}).\n"
+                "HINT: run on a GPU node, check CUDA_VISIBLE_DEVICES, or use --device cpu")
+        reasons.append("no usable GPU: running on CPU")
+    else:
+        if len(ordinals) == 1:
+            ordinal = ordinals[0]
+            if ls > 1:
+                if facts.gpus.cuda_visible_devices is not None and facts.gpus.cuda_visible_devices.count(",") == 0:
+                    reasons.append("one GPU visible to this rank (bound per task)")
+                else:
+                    warnings.append(f"{ls} ranks on {facts.hostname} share 1 GPU: memory is split between them.\n"
+                                    "HINT: one rank per GPU (srun --gpus-per-task=1, or fewer ranks)")
+        elif len(ordinals) >= ls:
+            ordinal = ordinals[lr]
+            reasons.append(f"local rank {lr} of {ls} → GPU ordinal {ordinal} of {len(ordinals)}")
+            if len(ordinals) > ls and lr == 0:
+                warnings.append(f"{len(ordinals)} GPUs visible on {facts.hostname} but only {ls} rank(s) there: "
+                                f"{len(ordinals) - ls} GPU(s) stay idle.\nHINT: start one rank per GPU")
         else:
-            if len(ordinals) == 1:
-                ordinal = ordinals[0]
-                if ls > 1:
-                    if facts.gpus.cuda_visible_devices is not None and facts.gpus.cuda_visible_devices.count(",") == 0:
-                        reasons.append("one GPU visible to this rank (bound per task)")
-                    else:
-                        warnings.append(f"{ls} ranks on {facts.hostname} share 1 GPU: memory is split between them.\n"
-                                        "HINT: one rank per GPU (srun --gpus-per-task=1, or fewer ranks)")
-            elif len(ordinals) >= ls:
-                ordinal = ordinals[lr]
-                reasons.append(f"local rank {lr} of {ls} → GPU ordinal {ordinal} of {len(ordinals)}")
-                if len(ordinals) > ls and lr == 0:
-                    warnings.append(f"{len(ordinals)} GPUs visible on {facts.hostname} but only {ls} rank(s) there: "
-                                    f"{len(ordinals) - ls} GPU(s) stay idle.\nHINT: start one rank per GPU")
-            else:
-                ordinal = ordinals[lr % len(ordinals)]
-                sharing = sum(1 for r in range(ls) if r % len(ordinals) == lr % len(ordinals))
-                warnings.append(f"{ls} ranks on {facts.hostname} but {len(ordinals)} GPUs: {sharing} ranks share GPU "
-                                f"ordinal {ordinal}.\nHINT: start one rank per GPU")
-                reasons.append(f"local rank {lr} → GPU ordinal {ordinal} (round-robin)")
-            chosen = f"cuda:{ordinal}"
-            visible = facts.gpus.visible_gpus()
-            if facts.gpus.visible is not None and ordinal < len(visible):
-                gpu = visible[ordinal].index
-    # ---- threads
+            ordinal = ordinals[lr % len(ordinals)]
+            sharing = sum(1 for r in range(ls) if r % len(ordinals) == lr % len(ordinals))
+            warnings.append(f"{ls} ranks on {facts.hostname} but {len(ordinals)} GPUs: {sharing} ranks share GPU "
+                            f"ordinal {ordinal}.\nHINT: start one rank per GPU")
+            reasons.append(f"local rank {lr} → GPU ordinal {ordinal} (round-robin)")
+        chosen = f"cuda:{ordinal}"
+        visible = facts.gpus.visible_gpus()
+        if facts.gpus.visible is not None and ordinal < len(visible):
+            gpu = visible[ordinal].index
+    return chosen, gpu
+
+
+def _pick_threads(facts: RankFacts, threads: Optional[int], env: Mapping[str, str], reasons: List[str],
+                  warnings: List[str]) -> Tuple[int, int]:
+    """``plan_binding``'s (CPU threads, physical cores of the node); appends its reasons and
+    warnings."""
+    ls = max(1, facts.local_size)
     cpus = facts.cpus
     logical = max(1, cpus.logical)
     physical = cpus.physical or logical
@@ -182,7 +197,7 @@ def plan_binding(facts: RankFacts, threads: Optional[int] = None, device: str = 
     elif n_threads * ls > cores and not bound:
         warnings.append(f"{ls} ranks × {n_threads} threads = {n_threads * ls} > {cores} cores on {facts.hostname}: "
                         f"threads will compete.\nHINT: set OMP_NUM_THREADS={max(1, cores // ls)} or leave it unset")
-    return BindingPlan(facts.rank, lr, ls, chosen, gpu, n_threads, cores, tuple(reasons), tuple(warnings))
+    return n_threads, cores
 
 
 def _ranges(values: Sequence[int]) -> str:
