@@ -423,31 +423,10 @@ def tune_batch_size(model_factory: Callable[[], Any], make_batch: Callable[[int]
 
         facts = collect_facts(comm_module=comm_module)
     plan: BindingPlan = plan_binding(facts, device=device, env=os.environ)
-    error: Optional[str] = None
-    result: Optional[SearchResult] = None
-    budget: Optional[Budget] = None
-    method = ""
-    try:
-        budget = rank_budget(facts, plan, max_memory)
-        limit = int(budget.bytes * (1.0 - margin))
-        config = SearchConfig(start=start, max_batch=max_batch, tolerance=tolerance,
-                              noise_floor=(2 << 20) if plan.device == "cpu" else (4 << 20))
-        runner = TrialRunner(target, plan.device, budget.bytes, limit)
-        method = runner.method
-        with PinnedMallocThreshold() if plan.device == "cpu" else contextlib.nullcontext():
-            runner.warm_up()
-            result = run_search(runner, limit, config)
-        if result.batch == 0:
-            first = result.trials[0] if result.trials else None
-            seen = (f"peak {format_bytes(first.peak)}" if first and first.peak is not None
-                    else (first.detail if first else "no trial"))
-            error = (f"rank {facts.rank} on {facts.hostname}: batch {start} does not fit in "
-                     f"{format_bytes(limit)} on {plan.device} ({seen}).\n"
-                     "HINT: raise --max-memory, use a smaller model, activation checkpointing or model parallelism")
-    except Exception as exc:  # noqa: BLE001 - every rank must learn about it, or the others hang
-        if comm_module.size() == 1:
-            raise
-        error = f"rank {facts.rank} on {facts.hostname}: {type(exc).__name__}: {exc}"
+    config = SearchConfig(start=start, max_batch=max_batch, tolerance=tolerance,
+                          noise_floor=(2 << 20) if plan.device == "cpu" else (4 << 20))
+    result, budget, method, error = _search_on_this_rank(target, facts, plan, max_memory, margin, config,
+                                                         raise_errors=comm_module.size() == 1)
     mine = result.batch if (result is not None and error is None) else -1
     agreed = int(comm_module.allreduce(np.array([mine], dtype=np.int64), op="min")[0])
     reports = comm_module.allgather_object(
@@ -475,6 +454,38 @@ def tune_batch_size(model_factory: Callable[[], Any], make_batch: Callable[[int]
     return TuneResult(per_device, global_batch, lr.lr, explanation, world, accumulation_steps, lr_rule,
                       lr.warmup_epochs, lr.warmup_steps, plan.device, budget.bytes, result.limit, margin,
                       result.trials, choices, method)
+
+
+def _search_on_this_rank(target: TuneTarget, facts: Any, plan: BindingPlan, max_memory: Optional[int], margin: float,
+                         config: SearchConfig, raise_errors: bool
+                         ) -> Tuple[Optional[SearchResult], Optional[Budget], str, Optional[str]]:
+    """``tune_batch_size``'s search on this rank's device: (result, budget, trial method,
+    error). A failure is returned as the error text (``raise_errors``: raised, with one
+    rank), since every rank must still reach the agreement or the others hang."""
+    result: Optional[SearchResult] = None
+    budget: Optional[Budget] = None
+    method = ""
+    try:
+        budget = rank_budget(facts, plan, max_memory)
+        limit = int(budget.bytes * (1.0 - margin))
+        runner = TrialRunner(target, plan.device, budget.bytes, limit)
+        method = runner.method
+        with PinnedMallocThreshold() if plan.device == "cpu" else contextlib.nullcontext():
+            runner.warm_up()
+            result = run_search(runner, limit, config)
+        if result.batch == 0:
+            first = result.trials[0] if result.trials else None
+            seen = (f"peak {format_bytes(first.peak)}" if first and first.peak is not None
+                    else (first.detail if first else "no trial"))
+            return result, budget, method, (
+                f"rank {facts.rank} on {facts.hostname}: batch {config.start} does not fit in "
+                f"{format_bytes(limit)} on {plan.device} ({seen}).\n"
+                "HINT: raise --max-memory, use a smaller model, activation checkpointing or model parallelism")
+    except Exception as exc:  # noqa: BLE001 - every rank must learn about it, or the others hang
+        if raise_errors:
+            raise
+        return result, budget, method, f"rank {facts.rank} on {facts.hostname}: {type(exc).__name__}: {exc}"
+    return result, budget, method, None
 
 
 def tune_target(target: TuneTarget, **kwargs: Any) -> TuneResult:
