@@ -107,6 +107,42 @@ def _world_default(rank: Optional[int], world_size: Optional[int]) -> Tuple[int,
     return (comm.rank() if rank is None else int(rank)), (comm.size() if world_size is None else int(world_size))
 
 
+
+def _checked_keys(keys: Union[str, Sequence[str]], mask_key: str, index_key: str) -> List[str]:
+    """The loader's dataset names as a list: at least one, none named like the batch's own
+    mask and index entries."""
+    names = [keys] if isinstance(keys, str) else list(keys)
+    if not names:
+        raise ConfigError("keys is empty; expected at least one dataset name, e.g. keys=['x', 'y']",
+                          hint="pass the dataset names to read, e.g. keys=['x', 'y']")
+    for reserved in (mask_key, index_key):
+        if reserved in names:
+            raise ConfigError(f"key {reserved!r} clashes with the batch's {reserved!r} entry",
+                              hint="pass mask_key=/index_key= with other names")
+    return names
+
+
+_SHUFFLE_MODES = {True: "window", "window": "window", "block": "block", False: "none", "none": "none"}
+
+
+def _shuffle_mode(shuffle: Union[bool, str]) -> str:
+    """``shuffle`` as one of "window", "block", "none"."""
+    if not isinstance(shuffle, (bool, str)) or shuffle not in _SHUFFLE_MODES:
+        raise ConfigError(f"shuffle must be True, False, 'window', 'block' or 'none'; got {shuffle!r}",
+                          hint="use one of the values listed")
+    return _SHUFFLE_MODES[shuffle]
+
+
+def block_rows(files: Sequence[FileInfo], keys: Sequence[str], row_bytes: int, block_bytes: int) -> List[int]:
+    """Rows per shuffle block of each file: whole chunks of its widest key, at least
+    ``block_bytes`` of all keys' rows (``row_bytes`` a sample) long."""
+    rows = []
+    for f in files:
+        widest = max(keys, key=lambda k: f.keys[k].row_bytes)
+        chunk = f.keys[widest].chunk_rows
+        rows.append(chunk * max(1, -(-block_bytes // max(1, chunk * row_bytes))))
+    return rows
+
 class HDF5Dataset(torch.utils.data.IterableDataset):
     """Batches of this rank's share of HDF5 data; ``len()`` = steps per epoch on every rank.
 
@@ -171,16 +207,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         index_key: str = "index",
     ) -> None:
         super().__init__()
-        if isinstance(keys, str):
-            keys = [keys]
-        self.keys: List[str] = list(keys)
-        if not self.keys:
-            raise ConfigError("keys is empty; expected at least one dataset name, e.g. keys=['x', 'y']",
-                              hint="pass the dataset names to read, e.g. keys=['x', 'y']")
-        for reserved in (mask_key, index_key):
-            if reserved in self.keys:
-                raise ConfigError(f"key {reserved!r} clashes with the batch's {reserved!r} entry",
-                                  hint="pass mask_key=/index_key= with other names")
+        self.keys: List[str] = _checked_keys(keys, mask_key, index_key)
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}",
                               hint="pick one of the policies listed")
@@ -192,11 +219,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.batch_size = int(batch_size)
         self.policy = policy
         self.seed = int(seed)
-        modes = {True: "window", "window": "window", "block": "block", False: "none", "none": "none"}
-        if not isinstance(shuffle, (bool, str)) or shuffle not in modes:
-            raise ConfigError(f"shuffle must be True, False, 'window', 'block' or 'none'; got {shuffle!r}",
-                              hint="use one of the values listed")
-        self.shuffle_mode = modes[shuffle]
+        self.shuffle_mode = _shuffle_mode(shuffle)
         self.shuffle = self.shuffle_mode != "none"
         self.drop_last = bool(drop_last)
         self.weights = None if weights is None else [float(w) for w in weights]
@@ -221,13 +244,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         self.offsets = global_offsets(self.counts)
         self.stratify, self.labels = self._labels(stratify)
         self.row_bytes = sum(self.files[0].keys[k].row_bytes for k in self.keys)
-        # Blocks: whole chunks of the widest key, at least block_bytes long.
-        self.block_rows = []
-        for f in self.files:
-            widest = max(self.keys, key=lambda k: f.keys[k].row_bytes)
-            chunk = f.keys[widest].chunk_rows
-            per_block = max(1, -(-block_bytes // max(1, chunk * self.row_bytes)))
-            self.block_rows.append(chunk * per_block)
+        self.block_rows = block_rows(self.files, self.keys, self.row_bytes, block_bytes)
         self._gap = max(1, min(self.block_rows))
         try:
             first = self._plan(0)
