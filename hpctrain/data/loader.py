@@ -143,6 +143,7 @@ def block_rows(files: Sequence[FileInfo], keys: Sequence[str], row_bytes: int, b
         rows.append(chunk * max(1, -(-block_bytes // max(1, chunk * row_bytes))))
     return rows
 
+
 class HDF5Dataset(torch.utils.data.IterableDataset):
     """Batches of this rank's share of HDF5 data; ``len()`` = steps per epoch on every rank.
 
