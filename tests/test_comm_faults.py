@@ -84,6 +84,29 @@ def _running(pid: int) -> bool:
         return False
 
 
+# A rank that ended (a normal exit, or shutdown()) while another waits in a collective it never
+# started: reported within seconds, not after the stall timeout (here 120 s).
+@pytest.mark.parametrize("n,how,elements,algorithm,early,check", [
+    (2, "exit", 4, "auto", 1, "1"), (3, "exit", 4, "auto", 0, "1"), (2, "shutdown", 1_000_000, "auto", 1, "1"),
+    (2, "exit", 1_000_000, "ring", 1, "0"), (2, "exit", 1000, "native", 1, "1")])
+def test_a_rank_that_ended_early_is_reported_at_once(n, how, elements, algorithm, early, check):
+    t0 = time.monotonic()
+    result = run_mpi(n, python_argv(str(SCRIPTS / "end_early.py"), how, str(elements), algorithm, str(early)),
+                     timeout=100, env={"HPCTRAIN_STALL_TIMEOUT": "120", "HPCTRAIN_CHECK_COLLECTIVES": check})
+    elapsed = time.monotonic() - t0
+    assert result.returncode not in (0, -9), result.stdout
+    assert f"cannot finish: rank {early} has ended (shutdown() or a normal exit) after 1 collective(s) on the " \
+           "world, where this rank has started 2." in result.stdout, result.stdout
+    assert "STALL" not in result.stdout and "unreachable" not in result.stdout, result.stdout
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def test_ranks_that_end_seconds_apart_after_the_same_calls_are_not_reported():
+    result = run_mpi(3, python_argv(str(SCRIPTS / "end_early.py"), "in-time", "4", "auto", "1"), timeout=100)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("ended in time") == 3 and "cannot finish" not in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize("how", ["new_group", "split"])
 def test_group_creation_with_a_missing_rank_aborts(how):
     t0 = time.monotonic()

@@ -166,6 +166,16 @@ class Watchdog:
         # a wait still stalled a timeout later was not ended by the revoke: it aborts the job
         # (asking again would revoke every timeout, for ever).
         self._diverted: Dict[int, float] = {}
+        # the world's notices of ranks that ended (finished.Notices) and the count of world
+        # collectives this rank has started; None: not listened for
+        self.notices = None
+        self.started: Optional[Callable[[], int]] = None
+        self._early_since: Optional[float] = None  # when a rank was first seen to have ended early
+
+    def listen(self, notices, started: Callable[[], int]) -> None:
+        """Watch for ranks that end while this one waits (``finished.Notices``; ``started()``:
+        the world collectives this rank has started)."""
+        self.notices, self.started = notices, started
 
     def start(self) -> None:
         if self.timeout <= 0 or self._thread is not None:
@@ -221,6 +231,8 @@ class Watchdog:
                 self.orphaned()
                 return
             now = time.monotonic()
+            if self.notices is not None and self._rank_ended(now):
+                return
             for wait in self._watched():
                 since = wait.since
                 if since is not None and now - since > self.timeout + grace_of(wait):
@@ -229,6 +241,39 @@ class Watchdog:
                         continue
                     self._fire(wait, now - since)
                     return
+
+    def _rank_ended(self, now: float) -> bool:
+        """Whether a rank that ended made fewer world collectives than this rank has started,
+        for ``finished.GRACE_SECONDS``: then report it and abort. Not only from a watched wait:
+        the shared-memory flag waits time themselves in C, out of the watchdog's sight, and
+        this rank cannot get past a collective that the ended rank never started anyway."""
+        from . import finished
+
+        try:
+            ended = self.notices.poll()
+        except Exception:  # noqa: BLE001 - the probe must never stop the stall watch
+            self.notices = None
+            return False
+        started = self.started() if ended else 0
+        early = finished.never_started(ended, started) if ended else []
+        if not early:
+            self._early_since = None
+            return False
+        if self._early_since is None:
+            self._early_since = now
+        if now - self._early_since < finished.GRACE_SECONDS:
+            return False
+        waits = [w for w in self._watched() if w.since is not None]
+        what = (text(min(waits, key=lambda w: w.since).what) if waits
+                else f"collective #{started} on world")
+        self.report(f"hpctrain: rank {self.rank}: " + finished.describe(early, started, what))
+        return True
+
+    def report(self, message: str, code: int = 3) -> None:
+        """Print ``message`` and abort the job with ``code``."""
+        self.fired.append(message)
+        print(message, file=sys.stderr, flush=True)
+        self._abort(code)
 
     def _lost_rank(self, wait: Union[Wait, ClockedWait], waited: float) -> bool:
         hook = ON_STALL["fn"]
@@ -250,6 +295,4 @@ class Watchdog:
             "HINT: every rank must call the same collectives in the same order; a rank that "
             "crashed, skipped a step or has fewer batches stalls the others. Aborting the job."
         )
-        self.fired.append(message)
-        print(message, file=sys.stderr, flush=True)
-        self._abort(3)
+        self.report(message)

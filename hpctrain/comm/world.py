@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from .. import settings
-from . import guard, launcher
+from . import finished, guard, launcher
 from .asyncq import drain
 from .errors import CommError, ElasticError, NotInitializedError, RanksLostError
 from .guard import agree, make_header
@@ -25,7 +25,8 @@ from .watchdog import Watchdog, launcher_parent, stall_timeout
 # "groups": every live Group (elastic jobs revoke them all on a failure).
 # "launched": the launched (MPI_COMM_WORLD) rank of each rank of a re-formed world.
 _state: dict = {"world": None, "watchdog": None, "MPI": None, "finalize": False, "base": None,
-                "generation": 0, "groups": weakref.WeakSet(), "reform_hooks": [], "reforms": [], "launched": []}
+                "generation": 0, "groups": weakref.WeakSet(), "reform_hooks": [], "reforms": [], "launched": [],
+                "notices": None, "announce_registered": False}
 _init_lock = threading.Lock()
 
 
@@ -204,10 +205,34 @@ def init(check_slurm: bool = True) -> "Group":
         _state["world"] = world
         dog = Watchdog(world.rank, abort_job, stall_timeout(), launcher_parent() if world.size > 1 else None)
         if world.size > 1:
+            if not settings.rc.elastic:  # an elastic world re-forms: its lost ranks are faults' to handle
+                _listen_for_ended_ranks(MPI, world, dog)
             dog.start()
             _install_excepthook()
         _state["watchdog"] = dog
         return world
+
+
+def _listen_for_ended_ranks(MPI: Any, world: Group, dog: Watchdog) -> None:
+    """Tell the other ranks when this one ends, and watch for those that end while this one
+    waits (finished.py). The watchdog's probe is an MPI call from its own thread: only with
+    MPI_THREAD_MULTIPLE."""
+    import atexit
+
+    notices = finished.Notices(MPI.COMM_WORLD.Dup(), world.rank, world.size)
+    _state["notices"] = notices
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        dog.listen(notices, lambda: world.seq)
+    if not _state["announce_registered"]:
+        atexit.register(_announce_end)
+        _state["announce_registered"] = True
+
+
+def _announce_end() -> None:
+    """At shutdown or a normal exit: this rank's notice, with its count of world collectives."""
+    notices, world = _state["notices"], _state["world"]
+    if notices is not None and world is not None:
+        notices.announce(world.seq)
 
 
 def _start_fault_tolerance(MPI) -> None:
@@ -350,6 +375,8 @@ def shutdown() -> None:
     if _state["world"] is None:
         return
     drain()
+    _announce_end()
+    _state["notices"] = None
     if _state["watchdog"] is not None:
         _state["watchdog"].stop()
     _state["world"].free()

@@ -350,6 +350,33 @@ def test_duplicate_pending_name_raises_and_the_first_survives():
     _still_usable()
 
 
+# The same queue holds every kind of operation: the rule is not allreduce's alone.
+ASYNC_STARTS = {
+    "allgather_async": lambda x, name: hvd.allgather_async(x, name=name),
+    "grouped_allgather_async": lambda x, name: hvd.grouped_allgather_async([x, x], name=name),
+    "broadcast_async": lambda x, name: hvd.broadcast_async(x, root_rank=0, name=name),
+    "broadcast_async_": lambda x, name: hvd.broadcast_async_(x, root_rank=0, name=name),
+    "alltoall_async": lambda x, name: hvd.alltoall_async(x, name=name),
+    "reducescatter_async": lambda x, name: hvd.reducescatter_async(x, name=name, op=hvd.Sum),
+    "grouped_reducescatter_async": lambda x, name: hvd.grouped_reducescatter_async([x, x], name=name, op=hvd.Sum),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ASYNC_STARTS))
+def test_every_async_operation_refuses_a_pending_name(kind):
+    # test_horovod_allgather/broadcast_duplicate_name_error: a second operation under a name
+    # still pending raises ValueError; once the first is synchronized the name is free.
+    start = ASYNC_STARTS[kind]
+    x = torch.full((N * 2,), float(R + 1))
+    name = f"dup.{kind}"
+    first = start(x, name)
+    with pytest.raises(ValueError):
+        start(x, name)
+    hvd.synchronize(first)
+    hvd.synchronize(start(x, name))
+    _still_usable()
+
+
 @pytest.mark.skipif(IS_HOROVOD, reason="Horovod raises on that rank only and the others wait for it forever")
 def test_argument_error_on_one_rank_raises_on_every_rank():
     # Horovod's rule (a bad call costs one exception per rank, the job stays usable), for the
