@@ -24,7 +24,7 @@ import inspect
 import itertools
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -415,7 +415,8 @@ class Handle:
             finally:
                 self._finished = True
                 self._inner = None
-                _pending_names.discard(self._pending_name)
+                if _pending_names.get(self._pending_name) is self:
+                    del _pending_names[self._pending_name]
                 if self._trace is not None:
                     timeline.record(*self._trace, time.time())
         return self._result
@@ -425,7 +426,8 @@ class _Mismatch(HorovodInternalError, CollectiveMismatchError):
     """A mismatch found by the comm layer, raised as Horovod's type; still a ``comm.CommError``."""
 
 
-_pending_names: set = set()
+_pending_names: Dict[str, "Handle"] = {}  # name= of an operation → its handle, until it completes
+_PENDING_SWEEP = 256
 
 
 def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -451,15 +453,28 @@ def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
-    """Horovod refuses an operation under a name that is still pending. Here a name is pending
-    from submission until its handle is synchronized, which is the same moment on every rank
-    (same calls in the same order), so every rank raises and nothing is submitted."""
-    if name and name in _pending_names:
+    """Horovod refuses an operation under a name that is still in flight (submitted, not yet
+    complete: TensorQueue's duplicate-name error); so does this. Completion is not the same
+    moment on every rank: a rank that refuses tells the others (``_refused_everywhere``,
+    ``_submit``), whose call then raises HorovodInternalError instead of waiting."""
+    _refuse_pending(name)
+    return _hold_name(start(), name)
+
+
+def _refuse_pending(name: Optional[str]) -> None:
+    handle = _pending_names.get(name) if name else None
+    if handle is not None and not handle.done():
         raise ValueError(f"Requested to collective on a tensor named {name!r} that is still pending.\n"
                          "HINT: synchronize() the earlier handle first, or give each operation its own name")
-    handle = start()
+
+
+def _hold_name(handle: Handle, name: Optional[str]) -> Handle:
+    """``name`` is in flight until ``handle``'s operation completes."""
     if name:
-        _pending_names.add(name)
+        if len(_pending_names) >= _PENDING_SWEEP:  # handles never synchronized: keep only those in flight
+            for old in [n for n, h in _pending_names.items() if h.done()]:
+                del _pending_names[old]
+        _pending_names[name] = handle
         handle._pending_name = name
     return handle
 
@@ -563,23 +578,30 @@ def _negotiate(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional
 
 
 def _submit(kind: str, tensors: Sequence[torch.Tensor], process_set: Optional[ProcessSet],
-            check: Callable[[], Any], run: Callable[[Any], Any], name: str, **fields: Any) -> Handle:
+            check: Callable[[], Any], run: Callable[[Any], Any], name: str, pending: Optional[str] = None,
+            **fields: Any) -> Handle:
     """Run a collective in the background (hpctrain.comm's queue, in submission order) and
-    return its handle at once. A local argument error is agreed on right here (so the other
-    ranks' background agreement fails too) and raised now, as Horovod raises at enqueue; a
-    mismatch between ranks is raised by ``synchronize``."""
+    return its handle at once. A local argument error (``pending``, the caller's ``name=``,
+    still pending among them) is agreed on right here (so the other ranks' background
+    agreement fails too) and raised now, as Horovod raises at enqueue; a mismatch between
+    ranks is raised by ``synchronize``."""
     (process_set or global_process_set)._resolve()
+    local_check = check
+    if pending:
+        def local_check() -> Any:
+            _refuse_pending(pending)
+            return check()
     try:
-        checked = check()
+        checked = local_check()
     except (ValueError, TypeError, NotImplementedError):
-        _negotiate(kind, tensors, process_set, check, name=name, **fields)
+        _negotiate(kind, tensors, process_set, local_check, name=name, **fields)
         raise
 
     def job() -> Any:  # the name is compared too: calls matched out of order raise on every rank
         _negotiate(kind, tensors, process_set, lambda: checked, name=name, **fields)
         return run(checked)
 
-    return Handle(asyncq.submit(name, job), None, name=name)
+    return _hold_name(Handle(asyncq.submit(name, job), None, name=name), pending)
 
 
 def _is_float(t: torch.Tensor) -> bool:
@@ -920,7 +942,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
     _require_init("hvd.allgather_async")
     t = _check_tensor(tensor, "allgather_async").detach()
     return _submit("allgather", [t], process_set, lambda: _require_dims(t, "allgather"),
-                   lambda _: _allgather_raw(t, process_set), name or "allgather")
+                   lambda _: _allgather_raw(t, process_set), name or "allgather", pending=name)
 
 
 class _GroupedAllgatherFn(torch.autograd.Function):
@@ -965,7 +987,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
     _require_init("hvd.grouped_allgather_async")
     ts = [_check_tensor(t, "grouped_allgather_async").detach() for t in tensors]
     return _submit("grouped_allgather", ts, process_set, lambda: [_require_dims(t, "grouped_allgather") for t in ts],
-                   lambda _: [_allgather_raw(t, process_set) for t in ts], name or "grouped_allgather")
+                   lambda _: [_allgather_raw(t, process_set) for t in ts], name or "grouped_allgather",
+                   pending=name)
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -1040,7 +1063,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     _require_init("hvd.broadcast_async")
     t = _check_tensor(tensor, "broadcast_async").detach()
     return _submit("broadcast", [t], process_set, lambda: _root_in_set(root_rank, process_set),
-                   lambda _: _broadcast_raw(t, root_rank, process_set), name or "broadcast", root=root_rank)
+                   lambda _: _broadcast_raw(t, root_rank, process_set), name or "broadcast", pending=name,
+                   root=root_rank)
 
 
 @_traced("BROADCAST")
@@ -1056,7 +1080,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
         return tensor
 
     return _submit("broadcast", [tensor], process_set, lambda: _root_in_set(root_rank, process_set), run,
-                   name or "broadcast_", root=root_rank)
+                   name or "broadcast_", pending=name, root=root_rank)
 
 
 # --------------------------------------------------------------------------- alltoall
@@ -1123,7 +1147,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], t
     _require_init("hvd.alltoall_async")
     t = _check_tensor(tensor, "alltoall_async").detach()
     return _submit("alltoall", [t], process_set, lambda: _alltoall_splits(t, splits, _group_size(process_set)),
-                   lambda split_list: _alltoall_raw(t, split_list, process_set), name or "alltoall")
+                   lambda split_list: _alltoall_raw(t, split_list, process_set), name or "alltoall",
+                   pending=name)
 
 
 # --------------------------------------------------------------------------- reducescatter
@@ -1196,7 +1221,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, compre
 
     return _submit("reducescatter", [t], process_set,
                    lambda: (_require_dims(t, "reducescatter"), _reducescatter_op(op))[1], run,
-                   name or "reducescatter", op=_op_field(op), prescale=float(prescale_factor),
+                   name or "reducescatter", pending=name, op=_op_field(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
 
 
@@ -1245,7 +1270,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                    lambda: ([_require_dims(t, "reducescatter") for t in ts], _reducescatter_op(op))[1],
                    lambda rop: [_reducescatter_raw(t, rop, process_set, prescale_factor, postscale_factor)
                                 for t in ts],
-                   name or "grouped_reducescatter", op=_op_field(op), prescale=float(prescale_factor),
+                   name or "grouped_reducescatter", pending=name, op=_op_field(op),
+                   prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
 
 
