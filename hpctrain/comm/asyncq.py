@@ -32,8 +32,11 @@ class Handle:
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"{self.name} did not finish within {timeout} s")
+        if not self._event.is_set():
+            with _waiting():
+                finished = self._event.wait(timeout)
+            if not finished:
+                raise TimeoutError(f"{self.name} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._result
@@ -61,6 +64,30 @@ class Fusable:
 
 _Job = Tuple[Handle, Callable[[], Any], Optional[Fusable]]
 
+_WAITERS = [0]  # threads waiting now for the background thread's work (a result, or the drain)
+_waiters_lock = threading.Lock()
+
+
+class _waiting:
+    """Counts a thread in ``_WAITERS`` while it waits for the background thread."""
+
+    def __enter__(self) -> None:
+        with _waiters_lock:
+            _WAITERS[0] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with _waiters_lock:
+            _WAITERS[0] -= 1
+
+
+def foreground_blocked() -> bool:
+    """Whether a collective of this process may hold up a caller now: the background thread
+    is idle (a stuck collective is then a caller's own), or some thread waits for its work.
+    False while only the background thread is stuck and no caller waits for it (e.g. the
+    program is ending with an unsynchronized operation left)."""
+    w = _worker["w"]
+    return w is None or not w._pending or _WAITERS[0] > 0
+
 
 class _Worker:
     def __init__(self) -> None:
@@ -81,8 +108,10 @@ class _Worker:
 
     def drain(self) -> None:
         with self._cond:
-            while self._pending:
-                self._cond.wait()
+            if self._pending:
+                with _waiting():
+                    while self._pending:
+                        self._cond.wait()
 
     def _next(self) -> _Job:
         with self._cond:

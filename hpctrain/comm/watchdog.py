@@ -170,12 +170,14 @@ class Watchdog:
         # collectives this rank has started; None: not listened for
         self.notices = None
         self.started: Optional[Callable[[], int]] = None
+        self.blocked: Callable[[], bool] = lambda: True
         self._early_since: Optional[float] = None  # when a rank was first seen to have ended early
 
-    def listen(self, notices, started: Callable[[], int]) -> None:
+    def listen(self, notices, started: Callable[[], int], blocked: Callable[[], bool] = lambda: True) -> None:
         """Watch for ranks that end while this one waits (``finished.Notices``; ``started()``:
-        the world collectives this rank has started)."""
-        self.notices, self.started = notices, started
+        the world collectives this rank has started; ``blocked()``: whether a stuck
+        collective would hold up the program, asyncq.foreground_blocked)."""
+        self.notices, self.started, self.blocked = notices, started, blocked
 
     def start(self) -> None:
         if self.timeout <= 0 or self._thread is not None:
@@ -255,7 +257,7 @@ class Watchdog:
             self.notices = None
             return False
         started = self.started() if ended else 0
-        early = finished.never_started(ended, started) if ended else []
+        early = finished.never_started(ended, started) if ended and self.blocked() else []
         if not early:
             self._early_since = None
             return False

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 
 from .. import settings
-from . import finished, guard, launcher
+from . import asyncq, finished, guard, launcher
 from .asyncq import drain
 from .errors import CommError, ElasticError, NotInitializedError, RanksLostError
 from .guard import agree, make_header
@@ -222,7 +222,7 @@ def _listen_for_ended_ranks(MPI: Any, world: Group, dog: Watchdog) -> None:
     notices = finished.Notices(MPI.COMM_WORLD.Dup(), world.rank, world.size)
     _state["notices"] = notices
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-        dog.listen(notices, lambda: world.seq)
+        dog.listen(notices, lambda: world.seq, asyncq.foreground_blocked)
     if not _state["announce_registered"]:
         atexit.register(_announce_end)
         _state["announce_registered"] = True

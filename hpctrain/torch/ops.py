@@ -24,7 +24,7 @@ import inspect
 import itertools
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -415,8 +415,7 @@ class Handle:
             finally:
                 self._finished = True
                 self._inner = None
-                if _pending_names.get(self._pending_name) is self:
-                    del _pending_names[self._pending_name]
+                _pending_names.discard(self._pending_name)
                 if self._trace is not None:
                     timeline.record(*self._trace, time.time())
         return self._result
@@ -426,8 +425,7 @@ class _Mismatch(HorovodInternalError, CollectiveMismatchError):
     """A mismatch found by the comm layer, raised as Horovod's type; still a ``comm.CommError``."""
 
 
-_pending_names: Dict[str, "Handle"] = {}  # name= of an operation → its handle, until it completes
-_PENDING_SWEEP = 256
+_pending_names: set = set()
 
 
 def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -453,28 +451,25 @@ def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
-    """Horovod refuses an operation under a name that is still in flight (submitted, not yet
-    complete: TensorQueue's duplicate-name error); so does this. Completion is not the same
-    moment on every rank: a rank that refuses tells the others (``_refused_everywhere``,
-    ``_submit``), whose call then raises HorovodInternalError instead of waiting."""
+    """Horovod refuses an operation under a name that is still pending. Here a name is pending
+    from submission until its handle is synchronized, which is the same moment on every rank
+    (same calls in the same order), so every rank raises and nothing is submitted. (Horovod
+    frees a name when its operation completes, a moment that differs between ranks: a tight
+    loop of duplicates then refuses on some ranks only and leaves the others' calls waiting.)"""
     _refuse_pending(name)
     return _hold_name(start(), name)
 
 
 def _refuse_pending(name: Optional[str]) -> None:
-    handle = _pending_names.get(name) if name else None
-    if handle is not None and not handle.done():
+    if name and name in _pending_names:
         raise ValueError(f"Requested to collective on a tensor named {name!r} that is still pending.\n"
                          "HINT: synchronize() the earlier handle first, or give each operation its own name")
 
 
 def _hold_name(handle: Handle, name: Optional[str]) -> Handle:
-    """``name`` is in flight until ``handle``'s operation completes."""
+    """``name`` is pending until ``handle`` is synchronized."""
     if name:
-        if len(_pending_names) >= _PENDING_SWEEP:  # handles never synchronized: keep only those in flight
-            for old in [n for n, h in _pending_names.items() if h.done()]:
-                del _pending_names[old]
-        _pending_names[name] = handle
+        _pending_names.add(name)
         handle._pending_name = name
     return handle
 

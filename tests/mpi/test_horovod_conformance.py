@@ -4,9 +4,7 @@ Every expected value is derived from Horovod's own definitions (horovod/torch/mp
 functions.py of 0.28.1, and the C++ ScaleBuffer / ReducescatterOp it calls), written next to
 each test as the rule it checks. The file uses only names that exist in both packages, so it
 runs against Horovod with ``HVD_MODULE=horovod.torch HOROVOD_TIMELINE=DYNAMIC
-HOROVOD_DYNAMIC_PROCESS_SETS=1 HOROVOD_CYCLE_TIME=20`` (the second for ``add_process_set``
-after ``init``; the last keeps an operation in flight for 20 ms, so that the duplicate-name
-tests find it there, as ``_in_flight`` does for hpctrain).
+HOROVOD_DYNAMIC_PROCESS_SETS=1`` (the last for ``add_process_set`` after ``init``).
 
 Horovod names an unnamed operation ``<op>.noname.<handle>``, with a per-rank handle counter
 that every call advances (a refused one too): once ranks have made different numbers of
@@ -14,10 +12,8 @@ calls (a rank outside a process set, a call refused on some ranks, a joined rank
 unnamed operations no longer match and wait forever. So from the first such test on, every
 collective here has an explicit name.
 """
-import contextlib
 import importlib
 import os
-import threading
 
 import pytest
 import torch
@@ -342,48 +338,15 @@ def test_scalar_to_reducescatter_raises_everywhere():
     _still_usable()
 
 
-@contextlib.contextmanager
-def _in_flight():
-    """Keep the operations started inside in flight for half a second, far longer than the
-    next statements take. hpctrain: its background thread first runs a local job (no
-    collective) that waits that long or until the block ends; the refusal of a duplicate is
-    itself a collective, queued behind them, so the wait must end by itself. Horovod: its
-    cycle (negotiation every few ms) holds a just-started operation long enough."""
-    if IS_HOROVOD:
-        yield
-        return
-    from hpctrain.comm import asyncq
-
-    release = threading.Event()
-    asyncq.submit("held by the test", lambda: release.wait(0.5))
-    try:
-        yield
-    finally:
-        release.set()
-
-
 def test_duplicate_pending_name_raises_and_the_first_survives():
-    # TensorQueue::AddToTensorQueue: DUPLICATE_NAME_ERROR (InvalidArgument: ValueError) while
-    # the first operation of that name is in flight.
+    # TensorQueue::AddToTensorQueue: DUPLICATE_NAME_ERROR (InvalidArgument: ValueError).
     x = torch.full((3,), float(R))
-    with _in_flight():
-        first = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)
-        with pytest.raises(ValueError):
-            hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)
+    first = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)
+    with pytest.raises(ValueError):
+        hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)
     assert hvd.synchronize(first).tolist() == [N * (N - 1) / 2] * 3
-    again = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)  # free again once it completed
+    again = hvd.allreduce_async(x, name="dup.name", op=hvd.Sum)  # free again once synchronized
     assert hvd.synchronize(again).tolist() == [N * (N - 1) / 2] * 3
-    _still_usable()
-
-
-def test_a_completed_name_is_free_without_synchronize():
-    # Horovod frees a name when its operation completes: a handle dropped unsynchronized (as
-    # its own test suite does) does not hold the name for ever.
-    x = torch.full((3,), float(R))
-    hvd.allreduce_async(x, name="dropped.name", op=hvd.Sum)
-    hvd.barrier()  # waits for the queued operations
-    assert hvd.synchronize(hvd.allreduce_async(x, name="dropped.name", op=hvd.Sum)).tolist() == \
-        [N * (N - 1) / 2] * 3
     _still_usable()
 
 
@@ -400,18 +363,60 @@ ASYNC_STARTS = {
 
 
 @pytest.mark.parametrize("kind", sorted(ASYNC_STARTS))
-def test_every_async_operation_refuses_a_name_in_flight(kind):
+def test_every_async_operation_refuses_a_pending_name(kind):
     # test_horovod_allgather/broadcast_duplicate_name_error: a second operation under a name
-    # in flight raises ValueError; once the first completed the name is free.
+    # still pending raises ValueError; once the first is synchronized the name is free.
     start = ASYNC_STARTS[kind]
     x = torch.full((N * 2,), float(R + 1))
     name = f"dup.{kind}"
-    with _in_flight():
-        first = start(x, name)
-        with pytest.raises(ValueError):
-            start(x, name)
+    first = start(x, name)
+    with pytest.raises(ValueError):
+        start(x, name)
     hvd.synchronize(first)
     hvd.synchronize(start(x, name))
+    _still_usable()
+
+
+# The same queue holds every kind of operation: the rule is not allreduce's alone.
+ASYNC_STARTS = {
+    "allgather_async": lambda x, name: hvd.allgather_async(x, name=name),
+    "grouped_allgather_async": lambda x, name: hvd.grouped_allgather_async([x, x], name=name),
+    "broadcast_async": lambda x, name: hvd.broadcast_async(x, root_rank=0, name=name),
+    "broadcast_async_": lambda x, name: hvd.broadcast_async_(x, root_rank=0, name=name),
+    "alltoall_async": lambda x, name: hvd.alltoall_async(x, name=name),
+    "reducescatter_async": lambda x, name: hvd.reducescatter_async(x, name=name, op=hvd.Sum),
+    "grouped_reducescatter_async": lambda x, name: hvd.grouped_reducescatter_async([x, x], name=name, op=hvd.Sum),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ASYNC_STARTS))
+def test_every_async_operation_refuses_a_pending_name(kind):
+    # test_horovod_allgather/broadcast_duplicate_name_error: a second operation under a name
+    # still pending raises ValueError; once the first is synchronized the name is free.
+    start = ASYNC_STARTS[kind]
+    x = torch.full((N * 2,), float(R + 1))
+    name = f"dup.{kind}"
+    first = start(x, name)
+    with pytest.raises(ValueError):
+        start(x, name)
+    hvd.synchronize(first)
+    hvd.synchronize(start(x, name))
+    _still_usable()
+
+
+@pytest.mark.skipif(IS_HOROVOD, reason="Horovod checks a name against this rank's own queue only")
+@pytest.mark.parametrize("kind", sorted(ASYNC_STARTS))
+def test_a_name_pending_on_one_rank_only_raises_everywhere_for_every_async_operation(kind):
+    start = ASYNC_STARTS[kind]
+    x = torch.full((N * 2,), float(R + 1))
+    name = f"dup.one.{kind}"
+    first = start(x, name)
+    if R == 0:
+        hvd.synchronize(first)  # free again on rank 0 only
+    with pytest.raises((ValueError, RuntimeError)):  # ValueError where pending, HorovodInternalError on rank 0
+        hvd.synchronize(start(x, name))
+    if R != 0:
+        hvd.synchronize(first)
     _still_usable()
 
 
@@ -435,6 +440,26 @@ def test_argument_error_on_one_rank_raises_on_every_rank():
             hvd.synchronize(handle)
     with pytest.raises((ValueError, RuntimeError)):
         hvd.grouped_allreduce([torch.ones(2), torch.ones(1)], op=99 if bad else hvd.Sum)
+    _still_usable()
+
+
+def test_duplicate_name_pending_on_one_rank_only_raises_everywhere():
+    x = torch.full((3,), float(R))
+    first = hvd.allreduce_async(x, name="dup.one", op=hvd.Sum)
+    total = [N * (N - 1) / 2] * 3
+    if R == 0:
+        assert hvd.synchronize(first).tolist() == total  # rank 0's name is free again, the others' still pending
+    if IS_HOROVOD:
+        # Horovod checks a name against this rank's own queue only: nothing is refused, and the
+        # pending operation completes on the others.
+        if R != 0:
+            assert hvd.synchronize(first).tolist() == total
+        _still_usable()
+        return
+    with pytest.raises((ValueError, RuntimeError)):
+        hvd.synchronize(hvd.allreduce_async(x, name="dup.one", op=hvd.Sum))
+    if R != 0:
+        assert hvd.synchronize(first).tolist() == total
     _still_usable()
 
 

@@ -98,3 +98,40 @@ def test_a_failing_probe_turns_the_listening_off_but_not_the_stall_watch():
         assert _wait_for(lambda: aborted)
     dog.stop()
     assert dog.notices is None and "STALL on rank 0" in dog.fired[0]
+
+
+def test_only_the_background_thread_stuck_and_nobody_waiting_is_not_reported():
+    """A program that ends with an unsynchronized operation left on the background thread
+    (Horovod gives that handle an error nobody reads): nothing the program waits for."""
+    started = [5]
+    blocked = [False]
+    aborted = []
+    dog = watchdog.Watchdog(0, aborted.append, 60.0)
+    notices = FakeNotices()
+    dog.listen(notices, lambda: started[0], lambda: blocked[0])
+    notices.ended[1] = 4
+    dog.start()
+    time.sleep(finished.GRACE_SECONDS + 1.5)
+    assert aborted == []
+    blocked[0] = True  # now a caller waits for that operation
+    assert _wait_for(lambda: aborted)
+    dog.stop()
+
+
+def test_the_background_thread_counts_as_blocking_only_while_someone_waits_for_it():
+    import threading
+
+    from hpctrain.comm import asyncq
+
+    release = threading.Event()
+    handle = asyncq.submit("held by the test", release.wait)
+    try:
+        assert not asyncq.foreground_blocked()  # stuck in the background, nobody waiting
+        waiter = threading.Thread(target=handle.wait)
+        waiter.start()
+        assert _wait_for(asyncq.foreground_blocked)
+    finally:
+        release.set()
+    waiter.join(10)
+    asyncq.drain()
+    assert asyncq.foreground_blocked()  # idle: a stuck collective would be a caller's own
