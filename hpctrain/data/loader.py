@@ -54,7 +54,7 @@ from hpctrain.data.h5files import (
 from hpctrain.data.chunked import ChunkedKey, chunked_dataset
 from hpctrain.data.labels import read_labels
 from hpctrain.data.mapped import CopyJob, MappedKey, SizedCall, gather_tasks, map_dataset, open_map, packed, take_tasks
-from hpctrain.data.planner import POLICIES, RankPlan, global_offsets, locate, plan_epoch, read_runs
+from hpctrain.data.planner import POLICIES, RankPlan, WindowLayout, global_offsets, locate, plan_epoch, window_layout
 
 log = logging.getLogger("hpctrain.data")
 
@@ -460,31 +460,7 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
         lo, hi = int(files.min()), int(files.max())
         touched = [lo] if lo == hi else np.unique(files).tolist()
         readers = {fi: self._readers(fi) for fi in touched}
-        direct = sparse = False
-        if np.all(ids[1:] > ids[:-1]):
-            runs = read_runs(ids, self.offsets, max_gap=0, ascending=True)
-            direct = len(runs) <= max(1, len(ids) // 16)  # not e.g. strided ids: one read per sample
-        if not direct:
-            runs = read_runs(ids, self.offsets, max_gap=self._gap)
-        lengths = np.array([r1 - r0 for _, r0, r1 in runs], np.int64)
-        where = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        total = int(lengths.sum())
-        if not direct:
-            starts = np.array([self.offsets[fi] + r0 for fi, r0, _ in runs], np.int64)
-            run = np.searchsorted(starts, ids, side="right") - 1
-            gather_rows = ids + (where - starts)[run]
-            sparse = total > 2 * len(ids)  # e.g. strided ids: runs hold mostly unused rows
-            if SCATTER and not sparse:
-                # Where each row of the runs goes in the window (-1: not needed). A row needed
-                # twice (padding repeats) is read into one place and copied to the others.
-                dest = np.full(total, -1, np.int64)
-                positions = np.arange(len(ids), dtype=np.int64)
-                dest[gather_rows] = positions
-                repeats = repeat_src = positions[:0]
-                if np.count_nonzero(dest >= 0) < len(ids):  # some id twice
-                    first = dest[gather_rows]
-                    repeats = np.flatnonzero(first != positions)
-                    repeat_src = first[repeats]
+        layout = window_layout(ids, self.offsets, self._gap, SCATTER)
         reads: List[Callable[[], None]] = []
         shuffles: List[Callable[[], None]] = []
         hdf5_keys = []
@@ -492,38 +468,50 @@ class HDF5Dataset(torch.utils.data.IterableDataset):
             found = [readers[fi][key] for fi in touched]
             if any(r is None for r in found):
                 hdf5_keys.append(key)
-                continue
-            mapped = all(isinstance(r, MappedKey) for r in found)
-            if mapped and (direct or sparse) and all(r.mapped for r in found):
+            elif (layout.direct or layout.sparse) and all(isinstance(r, MappedKey) and r.mapped for r in found):
                 which = files if len(touched) == 1 else np.searchsorted(np.array(touched), files)
                 reads += gather_tasks(found, which, rows, arrays[key])
-                continue
-            if mapped and SCATTER and not (direct or sparse):
-                reads += packed([call for (fi, r0, r1), at in zip(runs, where.tolist())
-                                 for call in readers[fi][key].scatter_calls(r0, r1, arrays[key], dest[at:at + r1 - r0])])
-                if len(repeats):
-                    shuffles.append(functools.partial(_copy_rows, arrays[key], repeat_src, repeats))
-                continue
-            target = arrays[key] if direct else self._staging(staging, key, total)
-            calls: List[SizedCall] = []
-            for (fi, r0, r1), at in zip(runs, where.tolist()):
-                if isinstance(readers[fi][key], MappedKey):
-                    calls += readers[fi][key].fill_calls(r0, r1, target[at:at + r1 - r0])
-                else:
-                    reads += readers[fi][key].fill_tasks(r0, r1, target[at:at + r1 - r0])
-            reads += packed(calls)
-            if not direct:
-                shuffles += take_tasks(target, gather_rows, arrays[key])
-        if hdf5_keys:
-            if direct:
-                self._read_runs(runs, arrays, hdf5_keys)
+            elif layout.scattered and all(isinstance(r, MappedKey) for r in found):
+                reads += self._scatter_tasks(layout, readers, key, arrays[key])
+                if len(layout.repeats):
+                    shuffles.append(functools.partial(_copy_rows, arrays[key], layout.repeat_src, layout.repeats))
             else:
-                for key in hdf5_keys:
-                    self._staging(staging, key, total)
-                self._read_runs(runs, staging, hdf5_keys)
-                for key in hdf5_keys:
-                    shuffles += take_tasks(staging[key], gather_rows, arrays[key])
+                target = arrays[key] if layout.direct else self._staging(staging, key, layout.total)
+                reads += self._run_tasks(layout, readers, key, target)
+                if not layout.direct:
+                    shuffles += take_tasks(target, layout.gather_rows, arrays[key])
+        if hdf5_keys:
+            shuffles += self._read_through_hdf5(layout, hdf5_keys, arrays, staging)
         return arrays, CopyJob(reads, shuffles)
+
+    @staticmethod
+    def _scatter_tasks(layout: WindowLayout, readers, key: str, out: np.ndarray) -> List[Callable[[], None]]:
+        """``preadv`` calls that read each run of ``key`` with its rows scattered into ``out``."""
+        return packed([call for (fi, r0, r1), at in zip(layout.runs, layout.where.tolist())
+                       for call in readers[fi][key].scatter_calls(r0, r1, out, layout.dest[at:at + r1 - r0])])
+
+    @staticmethod
+    def _run_tasks(layout: WindowLayout, readers, key: str, target: np.ndarray) -> List[Callable[[], None]]:
+        """Tasks that read the runs of ``key`` one after another into ``target``."""
+        reads: List[Callable[[], None]] = []
+        calls: List[SizedCall] = []
+        for (fi, r0, r1), at in zip(layout.runs, layout.where.tolist()):
+            if isinstance(readers[fi][key], MappedKey):
+                calls += readers[fi][key].fill_calls(r0, r1, target[at:at + r1 - r0])
+            else:
+                reads += readers[fi][key].fill_tasks(r0, r1, target[at:at + r1 - r0])
+        return reads + packed(calls)
+
+    def _read_through_hdf5(self, layout: WindowLayout, keys: List[str], arrays: Dict[str, np.ndarray],
+                           staging: Dict[str, np.ndarray]) -> List[Callable[[], None]]:
+        """Read ``keys`` (no direct reader: through HDF5) now; the gathers into plan order left."""
+        if layout.direct:
+            self._read_runs(layout.runs, arrays, keys)
+            return []
+        for key in keys:
+            self._staging(staging, key, layout.total)
+        self._read_runs(layout.runs, staging, keys)
+        return [task for key in keys for task in take_tasks(staging[key], layout.gather_rows, arrays[key])]
 
     def _staging(self, staging: Dict[str, np.ndarray], key: str, rows: int) -> np.ndarray:
         """The reused staging buffer of ``key``, at least ``rows`` rows (exactly ``rows`` returned)."""

@@ -455,3 +455,69 @@ def read_runs(global_ids: np.ndarray, offsets: np.ndarray, max_gap: int = 0, asc
     starts = np.concatenate([[0], breaks])
     stops = np.concatenate([breaks, [len(ids)]])
     return [(int(files[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+@dataclass
+class WindowLayout:
+    """How the loader reads one window's ids (in plan order): the runs it reads and where
+    each row of them goes.
+
+    ``runs`` (``[(file, row_start, row_stop)]``) are read one after another into a run
+    buffer of ``total`` rows, run i at row ``where[i]``. ``direct``: the ids ascend and few
+    runs cover them, so the runs are read straight into the window. Otherwise
+    ``gather_rows[j]`` is the run-buffer row of window row j; ``sparse``: the runs hold
+    more than twice the rows needed (e.g. strided ids), so rows are better gathered one
+    by one. ``dest`` (only when scattering, neither direct nor sparse) maps each run-buffer
+    row to its window row (-1: not needed); a row needed twice (padding repeats) is read to
+    one place and copied from window row ``repeat_src[k]`` to ``repeats[k]``.
+    """
+    runs: List[Tuple[int, int, int]]
+    where: np.ndarray
+    total: int
+    direct: bool
+    sparse: bool = False
+    gather_rows: Optional[np.ndarray] = None
+    dest: Optional[np.ndarray] = None
+    repeats: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    repeat_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def scattered(self) -> bool:
+        """Rows are read with scattering reads to their window places (``dest`` set)."""
+        return self.dest is not None
+
+
+def window_layout(ids: np.ndarray, offsets: np.ndarray, max_gap: int, scatter: bool) -> WindowLayout:
+    """The :class:`WindowLayout` of a non-empty window: ``ids`` in plan order, runs merging
+    rows closer than ``max_gap`` (as :func:`read_runs`), ``dest`` planned when ``scatter``."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if np.all(ids[1:] > ids[:-1]):
+        runs = read_runs(ids, offsets, max_gap=0, ascending=True)
+        if len(runs) <= max(1, len(ids) // 16):  # not e.g. strided ids: one read per sample
+            return _layout(runs, direct=True)
+    layout = _layout(read_runs(ids, offsets, max_gap=max_gap), direct=False)
+    starts = np.array([offsets[fi] + r0 for fi, r0, _ in layout.runs], np.int64)
+    run = np.searchsorted(starts, ids, side="right") - 1
+    layout.gather_rows = ids + (layout.where - starts)[run]
+    layout.sparse = layout.total > 2 * len(ids)
+    if scatter and not layout.sparse:
+        _plan_scatter(layout, len(ids))
+    return layout
+
+
+def _layout(runs: List[Tuple[int, int, int]], direct: bool) -> WindowLayout:
+    lengths = np.array([r1 - r0 for _, r0, r1 in runs], np.int64)
+    where = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    return WindowLayout(runs=runs, where=where, total=int(lengths.sum()), direct=direct)
+
+
+def _plan_scatter(layout: WindowLayout, rows: int) -> None:
+    """Fill ``dest`` (and the repeats) of a window of ``rows`` rows from its ``gather_rows``."""
+    dest = np.full(layout.total, -1, np.int64)
+    positions = np.arange(rows, dtype=np.int64)
+    dest[layout.gather_rows] = positions
+    if np.count_nonzero(dest >= 0) < rows:  # some id twice: one of its rows is read, the others copied
+        first = dest[layout.gather_rows]
+        layout.repeats = np.flatnonzero(first != positions)
+        layout.repeat_src = first[layout.repeats]
+    layout.dest = dest

@@ -68,6 +68,24 @@ def test_every_rank_in_one_process(three_files, policy, prefetch):
     assert sorted(allreal.tolist()) == list(range(n))  # pad mode: complete, each once
 
 
+@pytest.mark.parametrize("policy", ["contiguous", "strided"])
+def test_scatter_reads_and_read_then_gather_give_the_same_batches(three_files, monkeypatch, policy):
+    """Without the scattering extension the loader reads runs and gathers them: same batches."""
+    import hpctrain.data.loader as loader
+    paths, _ = three_files
+
+    def epoch():
+        ds = HDF5Dataset(paths, ["x", "y"], 4, rank=1, world_size=2, policy=policy, seed=5,
+                         prefetch=0, window_bytes=200, block_bytes=1)
+        ds.set_epoch(2)
+        return collect(ds)
+
+    scattered = epoch()
+    monkeypatch.setattr(loader, "SCATTER", False)
+    gathered = epoch()
+    assert np.array_equal(scattered[0], gathered[0]) and np.array_equal(scattered[1], gathered[1])
+
+
 def test_epochs_reshuffle_and_repeat(three_files):
     paths, _ = three_files
     ds = HDF5Dataset(paths, ["x", "y"], 5, rank=0, world_size=1, seed=1, block_bytes=1)

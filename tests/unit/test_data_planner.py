@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from hpctrain.data.errors import ConfigError, DataError, TooFewSamplesError
 from hpctrain.data.planner import (
-    POLICIES, apportion, global_offsets, locate, plan_all, plan_epoch, read_runs,
+    POLICIES, apportion, global_offsets, locate, plan_all, plan_epoch, read_runs, window_layout,
 )
 
 
@@ -307,3 +307,46 @@ def test_a_rank_expands_only_the_blocks_of_its_share():
     finally:
         P._expand = real
     assert expanded and expanded[0] <= 64 + 2 * 64  # the share's blocks, not all 1124 samples
+
+
+def _run_buffer(layout, offsets):
+    """The global id held by each row of a layout's run buffer."""
+    rows = np.concatenate([np.arange(offsets[fi] + r0, offsets[fi] + r1) for fi, r0, r1 in layout.runs])
+    assert len(rows) == layout.total
+    return rows
+
+
+def test_window_layout_reads_ascending_ids_straight_into_the_window():
+    offsets = global_offsets([40, 40])
+    ids = np.concatenate([np.arange(0, 20), np.arange(50, 70)])
+    layout = window_layout(ids, offsets, max_gap=4, scatter=True)
+    assert layout.direct and not layout.scattered
+    assert layout.runs == [(0, 0, 20), (1, 10, 30)]
+    assert np.array_equal(_run_buffer(layout, offsets), ids)
+
+
+@given(st.lists(st.integers(0, 99), min_size=1, max_size=60), st.integers(0, 8), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_window_layout_puts_every_window_row_where_its_id_is_read(ids, gap, scatter):
+    offsets = global_offsets([30, 45, 25])
+    ids = np.array(ids, np.int64)
+    layout = window_layout(ids, offsets, max_gap=gap, scatter=scatter)
+    held = _run_buffer(layout, offsets)
+    if layout.direct:
+        assert np.array_equal(held, ids)
+        return
+    assert np.array_equal(held[layout.gather_rows], ids)
+    assert layout.sparse == (layout.total > 2 * len(ids))
+    assert layout.scattered == (scatter and not layout.sparse)
+    if layout.scattered:  # scatter each needed row, then copy the repeats: the window in plan order
+        window = np.full(len(ids), -1, np.int64)
+        needed = layout.dest >= 0
+        window[layout.dest[needed]] = held[needed]
+        window[layout.repeats] = window[layout.repeat_src]
+        assert np.array_equal(window, ids)
+
+
+def test_window_layout_gathers_sparse_strided_ids():
+    ids = np.arange(0, 400, 8)[::-1].copy()  # every 8th row, descending: runs mostly unused
+    layout = window_layout(ids, global_offsets([400]), max_gap=16, scatter=True)
+    assert not layout.direct and layout.sparse and not layout.scattered
