@@ -16,14 +16,18 @@ Everything here is numpy, so every rank's view can be built in one process and t
 """
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import numpy as np
 
 # A squared norm below this leaves its vector's coefficient at 1, so that a zero vector (a
-# parameter without a gradient on some rank) adds nothing and divides nothing by zero.
-ZERO_NORM = 1e-8
+# parameter without a gradient on some rank) adds nothing and divides nothing by zero. It is
+# Horovod's threshold, sqrt(DBL_MIN): the norms are float64, so tiny float32 gradients
+# (|x|² ~ 1e-73) are still combined, not summed as if they were zero.
+ZERO_NORM = math.sqrt(sys.float_info.min)
 
 DTYPES = ("float16", "float32", "float64")
 

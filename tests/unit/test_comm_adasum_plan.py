@@ -116,6 +116,17 @@ def test_schedule_in_lower_precision(dtype, tol):
         assert np.allclose(buf, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("scale", [1e-38, 1e-10])
+def test_tiny_float32_vectors_are_combined_not_summed(scale):
+    """Horovod's test_stability: equal float32 vectors of ~1e-38 (|a|² ~ 1e-73) average to
+    themselves; only a squared norm below sqrt(DBL_MIN) counts as a zero vector."""
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(16) * scale).astype(np.float32)
+    for buf in simulate([a, a.copy()], [16], np.float32):
+        assert np.allclose(buf, a, rtol=1e-5, atol=0)
+    assert np.allclose(ap.combine(a, np.zeros(16)), a, rtol=1e-6, atol=0)  # a true zero still adds nothing
+
+
 def test_non_power_of_two_refused():
     with pytest.raises(ValueError, match="power-of-two"):
         ap.schedule(0, 3, 10)
