@@ -13,6 +13,9 @@ CASES = [
     ("train_mnist_style.py", 2, ["--fp16-allreduce", "--batches-per-allreduce", "2", "--gradient-predivide-factor", "2"]),
     ("api_tour.py", 3, []),
     ("strategies_and_helpers.py", 2, ["allreduce,parameter_server:1,model_average:3"]),
+    ("process_sets_at_init.py", 2, []),
+    ("process_sets_at_init.py", 3, []),
+    ("timeline_from_env.py", 2, []),
 ]
 
 

@@ -22,7 +22,7 @@ from .guard import checks_enabled, set_checks
 from .plan import ALGORITHMS, parse_size
 from .world import (Group, abort_job, cross_rank, cross_size, generation, hostname, init, is_initialized,
                     local_rank, local_size, mpi_library_version, mpi_threads_supported, new_group, note_reform, on_reform, rank,
-                    reform, reforms, shutdown, size, rendezvous_store, split, world)
+                    reform, reforms, shutdown, size, rendezvous_store, split, world, world_ranks_of)
 from .asyncq import Handle, drain as synchronize_all
 
 
@@ -42,7 +42,7 @@ def __getattr__(name):
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-    "cross_size", "world", "new_group", "split", "Group", "reform", "reforms", "generation", "on_reform", "note_reform", "hostname", "mpi_library_version",
+    "cross_size", "world", "world_ranks_of", "new_group", "split", "Group", "reform", "reforms", "generation", "on_reform", "note_reform", "hostname", "mpi_library_version",
     "mpi_threads_supported", "abort_job", "rendezvous_store", "allreduce", "allreduce_", "allreduce_async", "grouped_allreduce_", "grouped_allreduce_async", "grouped_adasum_",
     "allgather",
     "broadcast", "broadcast_", "reduce_scatter", "alltoall", "broadcast_object", "allgather_object",

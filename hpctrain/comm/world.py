@@ -589,3 +589,18 @@ def _host_address() -> str:
         return socket.gethostbyname(host)
     except OSError:
         return "127.0.0.1"
+
+
+def world_ranks_of(mpi_comm: Any) -> List[int]:
+    """The world ranks of an mpi4py communicator's members, in its rank order (every member
+    of ``mpi_comm`` must be a rank of the world; local, no communication)."""
+    members = list(range(mpi_comm.Get_size()))
+    theirs, ours = mpi_comm.Get_group(), world().comm.Get_group()
+    try:
+        ranks = [int(r) for r in theirs.Translate_ranks(members, ours)]
+    finally:
+        theirs.Free()
+        ours.Free()
+    if any(r < 0 for r in ranks):
+        raise ValueError(f"the communicator holds processes outside hpctrain's world (world ranks {ranks})")
+    return ranks

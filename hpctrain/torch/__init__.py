@@ -28,6 +28,7 @@ from .optimizer import DistributedOptimizer
 from .strategies import AllReduce, ModelAverage, ParameterServer
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic  # hvd.elastic.run, TorchState, ElasticSampler (after the names it uses)
+from . import mpi_ops  # horovod.torch.mpi_ops' names, for `from ...mpi_ops import ...`
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
@@ -42,7 +43,7 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "broadcast_object", "allgather_object", "broadcast_parameters", "broadcast_optimizer_state",
-    "Compression", "DistributedOptimizer", "SyncBatchNorm", "elastic",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "elastic", "mpi_ops",
     "AllReduce", "ParameterServer", "ModelAverage",
     "metric_average", "DistributedSampler", "shard_indices", "scale_lr", "warmup_factor", "print0", "log0",
     "rank_zero_only", "get_logger", "HpctrainNotInitialized",

@@ -22,6 +22,7 @@ import enum
 import functools
 import inspect
 import itertools
+import os
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
@@ -33,7 +34,10 @@ from hpctrain import comm as _comm  # for init(), whose argument is called comm 
 
 from . import agreement, staging, timeline
 from .compression import Compression
-from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from .exceptions import HorovodInternalError, HostsUpdatedInterrupt, HpctrainNotInitialized, require_init
+from . import process_sets as _sets
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .process_sets import group_of as _group, size_of as _group_size
 from hpctrain.comm import asyncq
 from hpctrain.comm.collectives import allreduce_now
 from hpctrain.comm.errors import CollectiveMismatchError
@@ -79,115 +83,14 @@ _COMM_OPS = {ReduceOp.Average: "avg", ReduceOp.Sum: "sum", ReduceOp.Min: "min",
              ReduceOp.Max: "max", ReduceOp.Product: "prod"}
 
 
-class HpctrainNotInitialized(ValueError):
-    """An hpctrain.torch function was called before ``hvd.init()``."""
-
-
-def _require_init(what: str) -> None:
-    if not comm.is_initialized():
-        raise HpctrainNotInitialized(
-            f"{what}: hpctrain.torch has not been initialized.\n"
-            "HINT: call hvd.init() (import hpctrain.torch as hvd) at the top of the script, "
-            "before creating the DistributedOptimizer or calling any collective.")
-
-
-# --------------------------------------------------------------------------- process sets
-class ProcessSet:
-    """A subset of ranks that runs collectives together (Horovod's ``hvd.ProcessSet``).
-
-    ``ProcessSet([0, 2])`` describes the ranks; ``add_process_set`` (called on every rank)
-    creates the communicator. ``global_process_set`` is all ranks.
-    """
-
-    def __init__(self, ranks: Optional[Sequence[int]] = None) -> None:
-        self.ranks: Optional[List[int]] = None if ranks is None else sorted(int(r) for r in ranks)
-        self._group: Any = None
-        self._registered = ranks is None
-        self.process_set_id: Optional[int] = 0 if ranks is None else None
-
-    def _resolve(self) -> Any:
-        if self.ranks is None:
-            return None  # world
-        if not self._registered:
-            raise ValueError(f"process set {self.ranks} is not registered.\n"
-                             "HINT: call hvd.add_process_set(process_set) on every rank first")
-        if self._group is None:
-            raise ValueError(f"this rank ({comm.rank()}) is not in process set {self.ranks}; "
-                             "only its members may run collectives on it")
-        return self._group
-
-    def included(self) -> bool:
-        """True when this rank belongs to the set."""
-        return self.ranks is None or comm.rank() in self.ranks
-
-    def rank(self) -> int:
-        """This rank's position in the set."""
-        return comm.rank() if self.ranks is None else self._resolve().rank
-
-    def size(self) -> int:
-        """Number of ranks in the set."""
-        return comm.size() if self.ranks is None else len(self.ranks)
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
-
-
-global_process_set = ProcessSet(None)
-_process_sets: List[ProcessSet] = [global_process_set]
-
-
-def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
-    """Create the communicator for a process set; every rank must call it, in the same order."""
-    _require_init("add_process_set")
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.ranks is None:
-        raise ValueError("the global process set exists already")
-    bad = [r for r in ps.ranks if not 0 <= r < comm.size()]
-    if bad:
-        raise ValueError(f"process set ranks {bad} outside 0..{comm.size() - 1}")
-    if any(other.ranks == ps.ranks for other in _process_sets):
-        raise ValueError(f"Attempted to add a duplicate process set: {ps}.\n"
-                         "HINT: reuse the ProcessSet registered earlier for these ranks")
-    ps._group = comm.new_group(ps.ranks)
-    ps._registered = True
-    ps.process_set_id = len(_process_sets)
-    _process_sets.append(ps)
-    return ps
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Forget a process set (every rank must call it). Returns True when it was registered."""
-    if process_set in _process_sets and process_set.ranks is not None:
-        _process_sets.remove(process_set)
-        process_set._registered = False
-        process_set._group = None
-        return True
-    return False
-
-
-def _forget_process_sets() -> None:
-    """After an elastic job re-formed its world, the process sets made before name ranks of
-    a world that is gone: they are removed (register them again on the new world)."""
-    for ps in _process_sets[1:]:
-        ps._registered = False
-        ps._group = None
-    del _process_sets[1:]
-
-
-comm.on_reform(_forget_process_sets)
-
-
-def _group(process_set: Optional[ProcessSet]) -> Any:
-    return (process_set or global_process_set)._resolve()
-
-
-def _group_size(process_set: Optional[ProcessSet]) -> int:
-    return (process_set or global_process_set).size()
+_require_init = require_init
 
 
 # --------------------------------------------------------------------------- basics
 def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) -> None:  # noqa: F811
-    """Start MPI (idempotent). ``process_sets``: sets to register right away.
+    """Start MPI (idempotent; a second call keeps what is registered). ``process_sets``: a list
+    of ``ProcessSet`` (ranks, or an mpi4py communicator per rank) to register now, collectively
+    and as in Horovod (a set listed twice, or the world's ranks, is a ValueError), or "dynamic".
 
     Also raises glibc's malloc thresholds in this process, as ``hpctrain launch`` does for
     the ranks it starts (unless MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ are set or
@@ -200,9 +103,18 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     _comm.init()
     if comm is not None:
         _check_init_comm(comm)
-    for ps in process_sets or ():
-        if not ps._registered:
-            add_process_set(ps)
+    _sets.start(comm)
+    _sets.register_at_init(process_sets)
+    _timeline_from_env()
+
+
+def _timeline_from_env() -> None:
+    """Horovod's HOROVOD_TIMELINE=<file> (rank 0 writes it from init on; DYNAMIC: only by
+    start_timeline) and HOROVOD_TIMELINE_MARK_CYCLES=1."""
+    path = os.environ.get("HOROVOD_TIMELINE", "")
+    if path and path.upper() != "DYNAMIC" and comm.rank() == 0 and not timeline.active():
+        marks = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "").strip().lower() in ("1", "true", "yes", "on")
+        timeline.start(path, marks)
 
 
 def _check_init_comm(communicator: Any) -> None:
@@ -232,7 +144,8 @@ def shutdown() -> None:
     from . import backends
 
     backends.shutdown_backends()
-    del _process_sets[1:]
+    timeline.stop()
+    _sets.shutdown()
     comm.shutdown()
 
 
@@ -337,8 +250,9 @@ def mpi_threads_supported() -> bool:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Write a Chrome trace of this job's collectives to ``file_path`` (rank 0 writes it, as in
-    Horovod): one trace row per tensor name, one span per operation. ``mark_cycles`` is
-    accepted (hpctrain has no background cycle to mark)."""
+    Horovod): one trace row per tensor name, one span per operation. ``mark_cycles``: a
+    CYCLE_START marker opens each operation (hpctrain has no background cycle). The
+    environment can start it at ``init()`` instead: HOROVOD_TIMELINE, HOROVOD_TIMELINE_MARK_CYCLES."""
     _require_init("hvd.start_timeline")
     if comm.rank() == 0:
         timeline.start(file_path, mark_cycles)
@@ -445,7 +359,7 @@ def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
                 err._hpctrain_refused = True  # type: ignore[attr-defined] - an outer call must not refuse again
                 ps = signature.bind_partial(*args, **kwargs).arguments.get("process_set") or global_process_set
                 if ps.included() and ps._registered:
-                    comm.refuse(None if ps.ranks is None else ps._group)
+                    comm.refuse(ps._resolve())
             raise
     return call
 
@@ -991,7 +905,7 @@ def _root_in_set(root_rank: int, process_set: Optional[ProcessSet], what: str = 
     """Position in the set of ``root_rank``, which is a *global* rank as in Horovod."""
     ps = process_set or global_process_set
     root = int(root_rank)
-    if ps.ranks is None:
+    if ps._global:
         if not 0 <= root < comm.size():
             raise ValueError(f"{what}: root_rank={root} is outside 0..{comm.size() - 1}.\n"
                              "HINT: pass the rank (hvd.rank()) of the process that holds the values")

@@ -7,7 +7,8 @@ rank 0 writes the file, and the file is valid JSON after every event.
 
 hpctrain agrees on a collective inside the collective itself, so its ``NEGOTIATE_<OP>`` span
 is an instant at submission (Horovod's spans the wait for the other ranks) and it writes no
-per-rank readiness (``X``) events."""
+per-rank readiness (``X``) events. It has no background cycle either: with ``mark_cycles`` a
+``CYCLE_START`` marker (Horovod's global instant event) opens each operation."""
 from __future__ import annotations
 
 import json
@@ -72,6 +73,8 @@ def record(tensor_name: str, op_name: str, t0: float, t1: float) -> None:
             _emit(f, {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         start: float = _state["start"]  # type: ignore[assignment]
         ts0, ts1 = (max(0, int((t - start) * 1e6)) for t in (t0, t1))
+        if _state["mark_cycles"]:
+            _emit(f, {"ph": "i", "name": "CYCLE_START", "ts": ts0, "s": "g"})
         _emit(f, {"ph": "B", "name": f"NEGOTIATE_{op_name}", "ts": ts0, "pid": pid})
         _emit(f, {"ph": "E", "ts": ts0, "pid": pid})
         _emit(f, {"ph": "B", "name": op_name, "ts": ts0, "pid": pid})
