@@ -22,7 +22,9 @@ def mpiexec_argv(n: int, extra: Sequence[str] = ()) -> List[str]:
     return [exe, "-n", str(n), *launcher_flags(exe), *extra]
 
 
-def mpi_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def mpi_env(extra: Optional[Dict[str, Optional[str]]] = None) -> Dict[str, str]:
+    """The launch's environment: this process's, the MPI test settings, then ``extra`` (a
+    value of None removes the variable)."""
     env = dict(os.environ)
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -35,8 +37,11 @@ def mpi_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     # progress loop yields its core to the rank it waits for (two 2-rank launches side by side:
     # 10% less CPU, 12% less wall). Other MPIs ignore the variable.
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    if extra:
-        env.update(extra)
+    for name, value in (extra or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -44,7 +49,7 @@ def run_mpi(
     n: int,
     argv: Sequence[str],
     timeout: float = 120,
-    env: Optional[Dict[str, str]] = None,
+    env: Optional[Dict[str, Optional[str]]] = None,
     cwd: Optional[Path] = None,
 ) -> subprocess.CompletedProcess:
     """Run ``argv`` on ``n`` ranks; return the completed process (never raises on rc != 0).
@@ -55,7 +60,7 @@ def run_mpi(
     return run_command(mpiexec_argv(n) + list(argv), timeout, env, cwd)
 
 
-def run_command(cmd: Sequence[str], timeout: float = 120, env: Optional[Dict[str, str]] = None,
+def run_command(cmd: Sequence[str], timeout: float = 120, env: Optional[Dict[str, Optional[str]]] = None,
                 cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Run a launcher command (``cmd``: mpiexec or ``hpctrain launch`` …) as ``run_mpi`` does:
     output merged, the MPI test environment, killed with its process group after ``timeout``."""

@@ -15,6 +15,9 @@ import mpi4py as _mpi4py
 _mpi4py.rc.thread_level = "multiple"
 OSC_DEFAULTED = "OMPI_MCA_osc" not in _os.environ  # `hpctrain launch --exact` hands on the environment as it was
 _os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+from .windows import note_mpi_state as _note_mpi_state
+
+_note_mpi_state(OSC_DEFAULTED)  # MPI started by the script before this setting: windows.py
 
 from .errors import (CollectiveMismatchError, CommError, ElasticError, HorovodInternalError, JoinedRanksError,
                      NotInitializedError, RanksLostError, StallError, WorldSizeError)

@@ -19,6 +19,7 @@ from .. import settings
 from . import mpiring, plan, shmsync
 from .buffers import finish_average, reduce_into
 from .watchdog import suffixed
+from .windows import allocate_shared
 
 # Ring segments: ≥ 1 MiB, since each message of the Python ring costs ~15 µs of Python.
 PY_RING_SEGMENT_BYTES = 1 << 20
@@ -265,7 +266,7 @@ class ShmArena:
             return
         capacity = max(self.MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
         self.free()
-        self.win = MPI.Win.Allocate_shared(2 * capacity, 1, comm=self.comm)
+        self.win = allocate_shared(2 * capacity, self.comm)
         self.views = []
         for q in range(self.comm.Get_size()):
             buf, _ = self.win.Shared_query(q)
@@ -362,7 +363,7 @@ class SharedBuffer:
         self.dtype_name = dtype_name
         self.count = count
         nbytes = max(count * self.dtype.itemsize, 1)
-        self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=group.node_comm)
+        self.win = allocate_shared(nbytes, group.node_comm)
         self.slots = []
         for q in range(group.node_comm.Get_size()):
             buf, _ = self.win.Shared_query(q)

@@ -19,6 +19,7 @@ from .. import settings
 from .buffers import DTYPE_CODES, OPS
 from .errors import CollectiveMismatchError, RanksLostError
 from .watchdog import text
+from .windows import allocate_shared
 
 try:
     from . import _shmsync
@@ -114,7 +115,7 @@ class NodeFlags:
         self.slot_bytes = slot_bytes
         self.small_bytes = slot_bytes if small_bytes is None else min(small_bytes, slot_bytes)  # flag exchange
         region = _shmsync.REGION_HEADER_BYTES + 2 * slot_bytes
-        self.win = MPI.Win.Allocate_shared(region, 1, comm=node_comm)
+        self.win = allocate_shared(region, node_comm)
         views = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8) for q in range(self.size)]
         views[self.rank][:_shmsync.REGION_HEADER_BYTES] = 0  # window memory is not zeroed
         node_comm.Barrier()
