@@ -55,10 +55,14 @@ def broadcast_parameters(params: Union[Dict[str, torch.Tensor], Iterable[Tuple[s
                 offset += n
 
 
+_SPARSE = ":sparse"
+
+
 def _strip_tensors(obj: Any, out: List[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return ("__hpctrain_tensor__", len(out) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""))
+    if isinstance(obj, torch.Tensor):  # a sparse one (SGD's momentum on sparse gradients) travels dense
+        out.append(obj.to_dense() if obj.is_sparse else obj)
+        return ("__hpctrain_tensor__", len(out) - 1, tuple(obj.shape),
+                str(obj.dtype).replace("torch.", "") + (_SPARSE if obj.is_sparse else ""))
     if isinstance(obj, dict):
         return {k: _strip_tensors(v, out) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -70,7 +74,7 @@ def _strip_tensors(obj: Any, out: List[torch.Tensor]) -> Any:
 
 def _fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__hpctrain_tensor__":
-        return tensors[obj[1]]
+        return tensors[obj[1]].to_sparse() if obj[3].endswith(_SPARSE) else tensors[obj[1]]
     if isinstance(obj, dict):
         return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -80,15 +84,37 @@ def _fill_tensors(obj: Any, tensors: List[torch.Tensor]) -> Any:
     return obj
 
 
+def _initialize_state(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> None:
+    """Horovod's start for an optimizer without state: every parameter that requires a gradient
+    gets a zero gradient (sparse for SparseAdam, and for SGD on the sparse embeddings of
+    ``model``), then the wrapped optimizer steps once, here on every rank, without any
+    all-reduce. This creates the state (momentum buffers …) and applies what a zero gradient
+    does, e.g. weight decay; the gradients stay zero tensors."""
+    sparse = {id(q) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for q in m.parameters()}
+    inner = getattr(optimizer, "_inner", optimizer)  # a DistributedOptimizer steps with an all-reduce
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if q.requires_grad:
+                q.grad = torch.zeros_like(q.data)
+                if isinstance(inner, torch.optim.SparseAdam) or (isinstance(inner, torch.optim.SGD) and id(q) in sparse):
+                    q.grad = q.grad.to_sparse()
+    inner.step()
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: Optional[torch.nn.Module] = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyper-parameters (lr, momentum, ...).
 
-    The structure of root's ``state_dict()`` travels as one pickled object, its tensors as raw
-    buffers; every rank then loads it, so ranks whose state was empty (a lazily-initialized
-    optimizer before its first step) end up identical to root.
+    As in Horovod, an optimizer without state first steps once on zero gradients on every rank
+    (``model``: to find sparse embeddings), which creates its state and applies e.g. weight
+    decay. The structure of root's ``state_dict()`` then travels as one pickled object, its
+    tensors as raw buffers, and every rank loads it.
     """
     _require_init("hvd.broadcast_optimizer_state")
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer, model)
     group = _group(process_set)
     me = (process_set or global_process_set).rank()
     root_rank = _root_in_set(root_rank, process_set, "broadcast_optimizer_state")  # now a position in the set
@@ -111,7 +137,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     collect(v)
 
         collect(skeleton)
-        received = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in specs]
+        received = [torch.empty(shape, dtype=getattr(torch, dtype.split(":")[0])) for shape, dtype in specs]
     for t in received:
         if t.numel():
             comm.broadcast_(t.reshape(-1) if t.dim() else t.reshape(1), root=root_rank, group=group)

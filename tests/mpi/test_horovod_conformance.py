@@ -533,6 +533,37 @@ def test_timeline_is_a_chrome_trace_written_by_rank_0(tmp_path):
     assert sum(e["ph"] == "B" for e in events) == sum(e["ph"] == "E" for e in events)
 
 
+# --------------------------------------------------------------------------- optimizer state
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_broadcast_optimizer_state_first_steps_on_zero_gradients(wrapped):
+    # functions.py broadcast_optimizer_state: an optimizer with no state gets a zero gradient
+    # for every parameter and one step of the wrapped optimizer (no all-reduce, on every rank),
+    # which creates its state and applies weight decay: w1 = w0 - lr * wd * w0, and SGD's
+    # momentum buffer is wd * w0; the gradients stay zero tensors.
+    torch.manual_seed(4)
+    model = torch.nn.Linear(3, 2).double()
+    w0 = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if wrapped:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    torch.testing.assert_close(model.weight.detach(), w0 - 0.1 * 0.01 * w0, rtol=1e-12, atol=1e-15)
+    state = opt.state_dict()["state"]
+    assert len(state) == 2
+    torch.testing.assert_close(state[0]["momentum_buffer"], 0.01 * w0, rtol=1e-12, atol=1e-15)
+    assert model.weight.grad is not None and not model.weight.grad.any()
+
+
+def test_broadcast_optimizer_state_takes_the_model_for_sparse_embeddings():
+    # With model=, SGD's parameters of sparse embeddings get a sparse zero gradient for that step
+    # (the third positional argument is the model, as in Horovod).
+    torch.manual_seed(5)
+    model = torch.nn.Embedding(6, 2, sparse=True).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(opt, 0, model)
+    assert model.weight.grad.is_sparse
+
+
 # --------------------------------------------------------------------------- sparse gradients
 def _embedding_batch(rank):
     return torch.tensor([[rank % 4, 4], [rank + 1, 5 + rank % 3]])

@@ -146,6 +146,21 @@ def test_join_barrier_objects():
     assert hvd.is_homogeneous()
 
 
+def test_sparse_optimizer_state_is_broadcast():
+    # SGD's momentum on a sparse embedding's gradients is a sparse tensor: it travels dense and
+    # every rank ends with root's, sparse again.
+    torch.manual_seed(7)
+    model = torch.nn.Embedding(6, 2, sparse=True).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([R % 6, (R + 2) % 6])).sum().backward()
+    opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0, model=model)
+    mine = opt.state_dict()["state"][0]["momentum_buffer"]
+    assert mine.is_sparse
+    roots = hvd.broadcast_object(mine.to_dense(), root_rank=0)
+    assert torch.equal(mine.to_dense(), roots)
+
+
 def test_broadcast_parameters_and_optimizer_state():
     torch.manual_seed(R)  # different weights per rank
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
