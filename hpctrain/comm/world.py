@@ -197,6 +197,7 @@ def init(check_slurm: bool = True) -> "Group":
         _state["MPI"] = MPI
         if check_slurm:
             launcher.check_world_size(os.environ, MPI.COMM_WORLD.Get_size())
+            launcher.check_non_mpi_launcher(os.environ, MPI.COMM_WORLD.Get_size())
         if settings.rc.elastic:
             _start_fault_tolerance(MPI)
         _state["base"] = MPI.COMM_WORLD

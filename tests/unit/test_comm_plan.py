@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hpctrain.comm import plan
-from hpctrain.comm.launcher import check_world_size, detect_launcher, expected_world_size
+from hpctrain.comm.launcher import check_non_mpi_launcher, check_world_size, detect_launcher, expected_world_size
 from hpctrain.comm.errors import WorldSizeError
 
 
@@ -141,6 +141,18 @@ def test_world_size_check_catches_silent_singletons():
     check_world_size({**srun, "OMPI_COMM_WORLD_SIZE": "4", "SLURM_STEP_NUM_TASKS": "1"}, 4)
     # a plain python in the batch script (no step) is not checked
     check_world_size({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, 1)
+
+
+def test_other_launchers_starting_one_rank_worlds_are_refused():
+    gloo = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}
+    with pytest.raises(WorldSizeError, match="horovodrun's Gloo launcher .HOROVOD_SIZE=2"):
+        check_non_mpi_launcher(gloo, 1)
+    torchrun = {"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "h", "TORCHELASTIC_RUN_ID": "x"}
+    with pytest.raises(WorldSizeError, match="torchrun"):
+        check_non_mpi_launcher(torchrun, 1)
+    check_non_mpi_launcher(gloo, 2)  # a real MPI world: the variables are someone else's business
+    check_non_mpi_launcher({"HOROVOD_SIZE": "1"}, 1)
+    check_non_mpi_launcher({"WORLD_SIZE": "2"}, 1)  # no torchrun marker: not ours to judge
 
 
 def test_the_check_pairs_ranks_by_recursive_doubling_with_extra_ranks_folded_in():
