@@ -7,12 +7,17 @@ Fusion (Horovod's tensor fusion for ``hvd.allreduce_async``): a job submitted wi
 :class:`Fusable` may run as one collective together with the fusable jobs of the same key
 queued right behind it. How many is agreed by the ranks (``Fusable.negotiate``: the smallest
 count queued on any rank), so every rank fuses the same jobs, in the same order, whatever
-its own queue held when its background thread got there.
+its own queue held when its background thread got there. As in Horovod's cycle
+(``HOROVOD_CYCLE_TIME``, default 1 ms), the thread holds a fusable job until that long after
+its submission, so that the calls issued right behind it can join it, unless a caller is
+already waiting for the thread (``synchronize``, a blocking collective): then it runs at once.
 """
 from __future__ import annotations
 
 import collections
+import os
 import threading
+import time
 from typing import Any, Callable, Deque, Hashable, List, Optional, Sequence, Tuple
 
 
@@ -20,13 +25,14 @@ class Handle:
     """Result of an ``*_async`` call: ``wait()`` returns the result (or raises the error the
     operation raised), ``done()`` tells without blocking."""
 
-    __slots__ = ("_event", "_result", "_error", "name")
+    __slots__ = ("_event", "_result", "_error", "name", "seq")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, seq: int = 0) -> None:
         self._event = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
         self.name = name
+        self.seq = seq  # its place in submission order (1, 2, …): jobs finish in that order
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -55,11 +61,12 @@ class Fusable:
     one result per item; ``negotiate(count)``: a collective every rank of the group calls at
     the same point of its queue, returning the count all ranks can fuse (1 ≤ result ≤ count)."""
 
-    __slots__ = ("key", "nbytes", "item", "run_many", "negotiate")
+    __slots__ = ("key", "nbytes", "item", "run_many", "negotiate", "since")
 
     def __init__(self, key: Hashable, nbytes: int, item: Any,
                  run_many: Callable[[List[Any]], Sequence[Any]], negotiate: Callable[[int], int]) -> None:
         self.key, self.nbytes, self.item, self.run_many, self.negotiate = key, nbytes, item, run_many, negotiate
+        self.since = time.monotonic()  # submission: the cycle is counted from here
 
 
 _Job = Tuple[Handle, Callable[[], Any], Optional[Fusable]]
@@ -74,6 +81,10 @@ class _waiting:
     def __enter__(self) -> None:
         with _waiters_lock:
             _WAITERS[0] += 1
+        w = _worker["w"]
+        if w is not None:  # a job held for its cycle runs now: nothing more joins it while we wait
+            with w._cond:
+                w._cond.notify_all()
 
     def __exit__(self, *exc: Any) -> None:
         with _waiters_lock:
@@ -95,12 +106,15 @@ class _Worker:
         self._pending = 0
         self._cond = threading.Condition()
         self.fused_calls = 0  # collectives that ran several fused jobs (fused_calls(); the tests read it)
+        self.submitted = 0  # jobs submitted so far
+        self.drained_through = 0  # every job up to this number had finished when a drain() returned
         self._thread = threading.Thread(target=self._run, name="hpctrain-collectives", daemon=True)
         self._thread.start()
 
     def submit(self, name: str, fn: Callable[[], Any], fuse: Optional[Fusable] = None) -> Handle:
-        handle = Handle(name)
         with self._cond:
+            self.submitted += 1
+            handle = Handle(name, self.submitted)
             self._pending += 1
             self._jobs.append((handle, fn, fuse))
             self._cond.notify_all()
@@ -112,12 +126,23 @@ class _Worker:
                 with _waiting():
                     while self._pending:
                         self._cond.wait()
+            self.drained_through = self.submitted
 
     def _next(self) -> _Job:
         with self._cond:
             while not self._jobs:
                 self._cond.wait()
             return self._jobs.popleft()
+
+    def _hold_for_cycle(self, fuse: Fusable) -> None:
+        """Wait until the cycle time has passed since ``fuse``'s submission, or a caller waits."""
+        deadline = fuse.since + cycle_seconds()
+        with self._cond:
+            while _WAITERS[0] == 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def _fusable_behind(self, first: Fusable) -> int:
         """How many jobs queued right now, counting ``first``, could fuse with it."""
@@ -137,6 +162,7 @@ class _Worker:
             if fuse is None:
                 self._run_one(handle, fn)
             else:
+                self._hold_for_cycle(fuse)
                 done = self._run_fused(handle, fn, fuse)
             with self._cond:
                 self._pending -= done
@@ -175,13 +201,25 @@ class _Worker:
 
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # Horovod's default (HOROVOD_FUSION_THRESHOLD)
+DEFAULT_CYCLE_MS = 1.0  # Horovod's default (HOROVOD_CYCLE_TIME, milliseconds)
+
+
+def cycle_seconds() -> float:
+    """How long a fusable job waits for company: ``HOROVOD_CYCLE_TIME`` milliseconds as under
+    Horovod (0: not at all), else 1 ms."""
+    value = os.environ.get("HOROVOD_CYCLE_TIME", "").strip()
+    if not value:
+        return DEFAULT_CYCLE_MS / 1000
+    try:
+        return max(0.0, float(value)) / 1000
+    except ValueError:
+        raise ValueError(f"HOROVOD_CYCLE_TIME={value!r} is not a number of milliseconds.\n"
+                         "HINT: e.g. HOROVOD_CYCLE_TIME=1, or 0 to run each call as soon as the thread gets to it") from None
 
 
 def fusion_threshold() -> int:
     """Bytes one fused collective may carry: ``HOROVOD_FUSION_THRESHOLD`` as under Horovod
     (0 turns fusion off), else 128 MiB, Horovod's default."""
-    import os
-
     value = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
     if not value:
         return DEFAULT_FUSION_THRESHOLD
@@ -252,6 +290,14 @@ def drain() -> None:
     w = _worker["w"]
     if w is not None and threading.current_thread() is not w._thread:
         w.drain()
+
+
+def drained_through() -> int:
+    """The number of the last job known finished at the last ``drain()`` (0: none yet). A drain
+    runs at the same point of the program on every rank (a blocking collective), so this
+    number, unlike a job's completion, is the same on every rank at the same call."""
+    w = _worker["w"]
+    return 0 if w is None else w.drained_through
 
 
 def fused_calls() -> int:

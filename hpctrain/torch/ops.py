@@ -320,6 +320,7 @@ class Handle:
     def wait(self) -> Any:
         """Block until the operation is done; return its result."""
         if not self._finished:
+            _waited["through"] = max(_waited["through"], getattr(self._inner, "seq", 0))  # FIFO: all before it too
             try:
                 raw = self._inner.wait() if self._inner is not None else None
                 self._result = self._finish(raw) if self._finish is not None else raw
@@ -334,12 +335,30 @@ class Handle:
                     timeline.record(*self._trace, time.time())
         return self._result
 
+    def __del__(self) -> None:
+        """Dropped before ``synchronize``: the name is freed once this rank has waited past the
+        operation (see ``_refuse_pending``), at once when it ran in the caller's thread."""
+        try:
+            name = self._pending_name
+            if name and not self._finished and name in _pending_names:
+                seq = getattr(self._inner, "seq", None)
+                if seq is None:
+                    _pending_names.discard(name)
+                else:
+                    _orphans[name] = seq
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+            pass
+
 
 class _Mismatch(HorovodInternalError, CollectiveMismatchError):
     """A mismatch found by the comm layer, raised as Horovod's type; still a ``comm.CommError``."""
 
 
 _pending_names: set = set()
+# Names whose handle was dropped unsynchronized -> that operation's place in submission order.
+_orphans: dict = {}
+# The highest submission number this rank has waited for (synchronize: that job and all before).
+_waited = {"through": 0}
 
 
 def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -366,18 +385,26 @@ def _refused_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _named(name: Optional[str], start: Callable[[], Handle]) -> Handle:
     """Horovod refuses an operation under a name that is still pending. Here a name is pending
-    from submission until its handle is synchronized, which is the same moment on every rank
-    (same calls in the same order), so every rank raises and nothing is submitted. (Horovod
-    frees a name when its operation completes, a moment that differs between ranks: a tight
-    loop of duplicates then refuses on some ranks only and leaves the others' calls waiting.)"""
+    from submission until its handle is synchronized, or, for a handle dropped unsynchronized,
+    until this rank next waits past its operation (a blocking collective, or ``synchronize``
+    of a later handle). Both are the same point of the program on every rank (same calls in
+    the same order), so every rank raises alike and nothing is submitted. (Horovod frees a name
+    when its operation completes, a moment that differs between ranks: a tight loop of
+    duplicates then refuses on some ranks only and leaves the others' calls waiting.)"""
     _refuse_pending(name)
     return _hold_name(start(), name)
 
 
 def _refuse_pending(name: Optional[str]) -> None:
-    if name and name in _pending_names:
-        raise ValueError(f"Requested to collective on a tensor named {name!r} that is still pending.\n"
-                         "HINT: synchronize() the earlier handle first, or give each operation its own name")
+    if not name or name not in _pending_names:
+        return
+    dropped = _orphans.get(name)
+    if dropped is not None and dropped <= max(asyncq.drained_through(), _waited["through"]):
+        del _orphans[name]
+        _pending_names.discard(name)
+        return
+    raise ValueError(f"Requested to collective on a tensor named {name!r} that is still pending.\n"
+                     "HINT: synchronize() the earlier handle first, or give each operation its own name")
 
 
 def _hold_name(handle: Handle, name: Optional[str]) -> Handle:

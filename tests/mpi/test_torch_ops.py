@@ -275,6 +275,41 @@ def test_outstanding_async_allreduces_are_fused(threshold, monkeypatch):
     assert asyncq.fused_calls() - before == sum(1 for b in expected if b > 1), expected
 
 
+def test_an_async_allreduce_waits_one_cycle_for_company_unless_someone_waits(monkeypatch):
+    # Horovod's cycle (HOROVOD_CYCLE_TIME): the background thread holds a fusable call for
+    # that long after its submission, so calls issued right behind it are fused with it, and
+    # poll() is False right after the call (Horovod's test_horovod_allreduce_async_fused);
+    # synchronize() makes it run at once.
+    import time
+
+    from hpctrain.comm import asyncq
+
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "300")  # ms
+    hvd.barrier()
+    before = asyncq.fused_calls()
+    xs = [torch.full((4,), float(R + k)) for k in range(5)]
+    handles = [hvd.allreduce_async(x, op=hvd.Sum, name=f"cycle.{k}") for k, x in enumerate(xs)]
+    assert not any(hvd.poll(h) for h in handles)
+    started = time.perf_counter()
+    results = [hvd.synchronize(h) for h in handles]
+    assert time.perf_counter() - started < 0.25  # not held for the whole cycle once waited for
+    for k, got in enumerate(results):
+        assert got.tolist() == [ranks_sum() + N * k] * 4
+    assert asyncq.fused_calls() - before == 1  # the five in one collective
+
+
+def test_cycle_time_setting(monkeypatch):
+    from hpctrain.comm import asyncq
+
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")
+    assert asyncq.cycle_seconds() == pytest.approx(0.0025)
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "soon")
+    with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME='soon'"):
+        asyncq.cycle_seconds()
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+    assert asyncq.cycle_seconds() == pytest.approx(0.001)
+
+
 def test_fusion_can_be_turned_off(monkeypatch):
     import threading
 
