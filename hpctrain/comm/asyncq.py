@@ -82,7 +82,9 @@ class _waiting:
         with _waiters_lock:
             _WAITERS[0] += 1
         w = _worker["w"]
-        if w is not None:  # a job held for its cycle runs now: nothing more joins it while we wait
+        # A job held for its cycle runs now: nothing more joins it while we wait. Only a holding
+        # worker needs the wake-up: one that starts holding later sees _WAITERS, raised above.
+        if w is not None and w.holding:
             with w._cond:
                 w._cond.notify_all()
 
@@ -108,6 +110,7 @@ class _Worker:
         self.fused_calls = 0  # collectives that ran several fused jobs (fused_calls(); the tests read it)
         self.submitted = 0  # jobs submitted so far
         self.drained_through = 0  # every job up to this number had finished when a drain() returned
+        self.holding = False  # the thread holds a fusable job for its cycle
         self._thread = threading.Thread(target=self._run, name="hpctrain-collectives", daemon=True)
         self._thread.start()
 
@@ -138,11 +141,15 @@ class _Worker:
         """Wait until the cycle time has passed since ``fuse``'s submission, or a caller waits."""
         deadline = fuse.since + cycle_seconds()
         with self._cond:
-            while _WAITERS[0] == 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
+            self.holding = True
+            try:
+                while _WAITERS[0] == 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._cond.wait(left)
+            finally:
+                self.holding = False
 
     def _fusable_behind(self, first: Fusable) -> int:
         """How many jobs queued right now, counting ``first``, could fuse with it."""

@@ -603,5 +603,6 @@ def world_ranks_of(mpi_comm: Any) -> List[int]:
         theirs.Free()
         ours.Free()
     if any(r < 0 for r in ranks):
-        raise ValueError(f"the communicator holds processes outside hpctrain's world (world ranks {ranks})")
+        raise ValueError(f"the communicator holds processes outside hpctrain's world (world ranks {ranks}).\n"
+                         "HINT: build it from MPI.COMM_WORLD (e.g. MPI.COMM_WORLD.Split(...))")
     return ranks

@@ -22,7 +22,8 @@ class _Basics:
         from . import ops
 
         if name.startswith("_") or name not in ops.__all__:
-            raise AttributeError(f"hpctrain has no Horovod basics function {name!r}")
+            raise AttributeError(f"hpctrain has no Horovod basics function {name!r}; "
+                                 "HINT: call the public hvd.<name> functions of hpctrain.torch")
         return getattr(ops, name)
 
 

@@ -251,7 +251,7 @@ def mpi_threads_supported() -> bool:
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Write a Chrome trace of this job's collectives to ``file_path`` (rank 0 writes it, as in
     Horovod): one trace row per tensor name, one span per operation. ``mark_cycles``: a
-    CYCLE_START marker opens each operation (hpctrain has no background cycle). The
+    CYCLE_START marker opens each operation. The
     environment can start it at ``init()`` instead: HOROVOD_TIMELINE, HOROVOD_TIMELINE_MARK_CYCLES."""
     _require_init("hvd.start_timeline")
     if comm.rank() == 0:

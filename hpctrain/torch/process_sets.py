@@ -62,7 +62,8 @@ class ProcessSet:
             self.ranks = sorted(int(r) for r in ranks_or_comm)
         except (TypeError, ValueError):
             raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm "
-                             f"object, got {ranks_or_comm!r}") from None
+                             f"object, got {ranks_or_comm!r}.\nHINT: hvd.ProcessSet([0, 1]) or "
+                             "hvd.ProcessSet(MPI.COMM_WORLD.Split(...))") from None
 
     def _entry(self) -> Optional[_Entry]:
         """This set's table entry, if it is registered (an object whose id was removed, or
@@ -170,33 +171,48 @@ def _register(ranks: List[int]) -> int:
 def _check_ranks(ranks: List[int]) -> None:
     bad = [r for r in ranks if not 0 <= r < comm.size()]
     if bad:
-        raise ValueError(f"process set ranks {bad} outside 0..{comm.size() - 1}")
+        raise ValueError(f"process set ranks {bad} outside 0..{comm.size() - 1}.\n"
+                         "HINT: a process set names world ranks, 0 .. hvd.size() - 1")
     if not ranks or len(set(ranks)) != len(ranks):
-        raise ValueError(f"a process set needs distinct ranks, at least one; got {ranks}")
+        raise ValueError(f"a process set needs distinct ranks, at least one; got {ranks}.\n"
+                         "HINT: e.g. hvd.ProcessSet([0, 1])")
 
 
-def _agree(what: str, sets: List[List[int]], extra: Any = None) -> List[Any]:
+def _agree(what: str, sets: List[List[int]], extra: Any = None, error: Optional[Exception] = None) -> List[Any]:
     """Every rank's ``extra``, once the ranks have compared their ``sets``: a ValueError on
-    every rank where they differ."""
-    every = comm.allgather_object((sets, extra))
-    odd = next((r for r, (theirs, _) in enumerate(every) if theirs != every[0][0]), None)
+    every rank where they differ. ``error``: this rank could not build its sets; it still
+    joins the comparison (no rank is left waiting), raises ``error``, and the others a
+    ValueError naming it."""
+    every = comm.allgather_object((sets, extra, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    failed = next((r for r, (_, _, text) in enumerate(every) if text is not None), None)
+    if failed is not None:
+        raise ValueError(f"{what}: rank {failed} could not use its process sets ({every[failed][2]}).\n"
+                         "HINT: every rank must pass the same, valid process sets; see that rank's error")
+    odd = next((r for r, (theirs, _, _) in enumerate(every) if theirs != every[0][0]), None)
     if odd is not None:
         raise ValueError(f"{what}: attempted to register process sets with mismatching values on different "
                          f"ranks: rank 0 passed {every[0][0]}, rank {odd} passed {every[odd][0]}.\n"
                          "HINT: every rank must register the same process sets, in the same order")
-    return [theirs for _, theirs in every]
+    return [theirs for _, theirs, _ in every]
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set after ``init()`` and return it; every rank must call it, with
     the same ranks, in the same order. Refuses ranks registered already (ValueError)."""
     require_init("add_process_set")
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.ranks is None:
-        raise NotImplementedError("add_process_set: a process set defined by an MPI communicator can be "
-                                  "registered only by hvd.init(process_sets=[...]).\n"
-                                  "HINT: build the process set from a list of ranks")
-    _agree("add_process_set", [ps.ranks])
+    ps: Optional[ProcessSet] = None
+    error: Optional[Exception] = None
+    try:
+        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+        if ps.ranks is None:
+            raise NotImplementedError("add_process_set: a process set defined by an MPI communicator can be "
+                                      "registered only by hvd.init(process_sets=[...]).\n"
+                                      "HINT: build the process set from a list of ranks")
+    except (ValueError, NotImplementedError) as err:
+        error = err
+    _agree("add_process_set", [ps.ranks] if error is None else [], error=error)
     _check_ranks(ps.ranks)
     if ps._global or _lookup(ps.ranks) is not None:
         raise ValueError(f"Attempted to add a duplicate process set: {ps}.\n"
@@ -225,16 +241,25 @@ def register_at_init(process_sets: Union[Sequence[ProcessSet], str, None]) -> No
         return
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
-            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of hvd.ProcessSet or 'dynamic'")
+            raise ValueError(f"init(process_sets={process_sets!r}): not a list of process sets.\n"
+                             "HINT: pass a list of hvd.ProcessSet, or 'dynamic'")
         return  # every hpctrain job can add process sets after init
     sets = list(process_sets)
-    bad = [ps for ps in sets if not isinstance(ps, ProcessSet)]
-    if bad:
-        raise TypeError(f"init(process_sets=...): expected hvd.ProcessSet objects, got {bad[0]!r}")
-    via_comm = [ps.mpi_comm is not None and not ps._global for ps in sets]
-    wanted = [comm.world_ranks_of(ps.mpi_comm) if c else ps.ranks for ps, c in zip(sets, via_comm)]
+    via_comm: List[bool] = []
+    wanted: List[List[int]] = []
+    error: Optional[Exception] = None
+    try:
+        bad = [ps for ps in sets if not isinstance(ps, ProcessSet)]
+        if bad:
+            raise TypeError(f"init(process_sets=...): expected hvd.ProcessSet objects, got {bad[0]!r}.\n"
+                            "HINT: hvd.ProcessSet([0, 1]) or hvd.ProcessSet(mpi4py_communicator)")
+        via_comm = [ps.mpi_comm is not None and not ps._global for ps in sets]
+        wanted = [comm.world_ranks_of(ps.mpi_comm) if c else ps.ranks for ps, c in zip(sets, via_comm)]
+    except (TypeError, ValueError) as err:
+        error = err
     by_ranks = [ranks for ps, ranks, c in zip(sets, wanted, via_comm) if not (c or ps._global)]
-    by_comm = _agree("init(process_sets=...)", by_ranks, [ranks for ranks, c in zip(wanted, via_comm) if c])
+    by_comm = _agree("init(process_sets=...)", by_ranks, [ranks for ranks, c in zip(wanted, via_comm) if c],
+                     error=error)
     for ranks in wanted:
         _check_ranks(ranks)
     for ranks in _registration_order(by_comm, by_ranks):
@@ -282,7 +307,8 @@ def comm_process_set_id(mpi_comm: Any) -> int:
     require_init("process sets")
     ps_id = _lookup(comm.world_ranks_of(mpi_comm))
     if ps_id is None:
-        raise ValueError("MPI communicator does not correspond to any registered process set.")
+        raise ValueError("MPI communicator does not correspond to any registered process set.\n"
+                         "HINT: register it first: hvd.init(process_sets=[hvd.ProcessSet(comm)])")
     return ps_id
 
 

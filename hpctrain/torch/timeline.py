@@ -7,8 +7,8 @@ rank 0 writes the file, and the file is valid JSON after every event.
 
 hpctrain agrees on a collective inside the collective itself, so its ``NEGOTIATE_<OP>`` span
 is an instant at submission (Horovod's spans the wait for the other ranks) and it writes no
-per-rank readiness (``X``) events. It has no background cycle either: with ``mark_cycles`` a
-``CYCLE_START`` marker (Horovod's global instant event) opens each operation."""
+per-rank readiness (``X``) events. With ``mark_cycles`` a ``CYCLE_START`` marker (Horovod's
+global instant event) opens each operation, not each round of the background thread."""
 from __future__ import annotations
 
 import json

@@ -79,6 +79,15 @@ if not IS_HOROVOD:
     assert "mismatching values on different ranks" in str(err), err
     err = raises(ValueError, hvd.init, process_sets=[hvd.ProcessSet([R])])
     assert "mismatching values on different ranks" in str(err), err
+    # A rank that cannot even build its sets still joins the comparison: an error everywhere, no wait.
+    if R == 0:
+        raises(NotImplementedError, hvd.add_process_set, hvd.ProcessSet(world))
+        raises(TypeError, hvd.init, process_sets=["not a set"])
+    else:
+        err = raises(ValueError, hvd.add_process_set, [0, 1])
+        assert "rank 0 could not use its process sets" in str(err), err
+        err = raises(ValueError, hvd.init, process_sets=[hvd.ProcessSet([0, 1])])
+        assert "rank 0 could not use its process sets" in str(err), err
 
 world.Barrier()
 hvd.shutdown()
